@@ -1,0 +1,1 @@
+"""The bus: connecting to NATS, the shared consume loop, dead letters and advisories."""

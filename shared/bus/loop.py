@@ -1,0 +1,224 @@
+"""The consume loop every service runs: pull, validate, handle, publish, then ack.
+
+For each delivery of a durable pull consumer (explicit ack):
+
+1. decode the payload into the handler's input model (invalid -> dead letter at once);
+2. call ``handler.handle(message, delivery)``; while it runs, send ``in_progress`` every
+   third of the ack wait so long work is not redelivered;
+3. publish every :class:`Outbound` with its deterministic ``Nats-Msg-Id`` and wait for
+   each PubAck (a redelivered input therefore produces no duplicate output inside the
+   stream's duplicate window);
+4. only then ack. Failures become nak-with-delay or dead letter + term, decided by
+   :func:`shared.bus.outcomes.decide`.
+
+On stop (SIGTERM) the loop fetches nothing more, lets in-flight handlers finish for up to
+``shutdown_grace_s`` and naks (without delay) what is still running, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from shared import subjects
+from shared.bus.deadletter import DeadLetterPublisher
+from shared.bus.outcomes import TransientError, Verdict, decide
+from shared.codec import decode, encode
+from shared.contracts.base import Contract
+from shared.settings import MeshSettings
+from shared.streams import ConsumerSpec
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Contract)
+M_contra = TypeVar("M_contra", bound=Contract, contravariant=True)
+
+PASS_HEADERS = ("traceparent", "tracestate")
+"""Headers copied from an input to every output it causes (trace context)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outbound:
+    """A message a handler wants published: subject, message and ``Nats-Msg-Id``."""
+
+    subject: str
+    message: Contract
+    msg_id: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What a handler may know of the delivery, without NATS types."""
+
+    subject: str
+    headers: dict[str, str]
+    delivered: int
+    stream_seq: int
+    tenant: str
+    job: str
+
+
+class Handler(Protocol[M_contra]):
+    """A service's pure handler: input model in, outbound messages out."""
+
+    async def handle(self, message: M_contra, delivery: Delivery) -> Sequence[Outbound]: ...
+
+
+async def publish_all(
+    js: JetStreamContext, outputs: Sequence[Outbound], inherited: dict[str, str] | None = None
+) -> None:
+    """Publish ``outputs`` concurrently, each with its ``Nats-Msg-Id``; wait for every PubAck.
+
+    Raises:
+        TransientError: a publish failed or timed out (the input will be retried; the
+            outputs that did land are de-duplicated by their ids).
+    """
+    if not outputs:
+        return
+
+    async def one(out: Outbound) -> None:
+        headers = {**(inherited or {}), **out.headers, "Nats-Msg-Id": out.msg_id}
+        await js.publish(out.subject, encode(out.message), headers=headers)
+
+    results = await asyncio.gather(*(one(out) for out in outputs), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise TransientError(f"publish failed: {errors[0]!r}", retry_after_s=None)
+
+
+class ConsumeLoop(Generic[M]):
+    """Runs ``handler`` over one durable consumer until ``stop`` is set."""
+
+    def __init__(
+        self,
+        nc: Client,
+        spec: ConsumerSpec,
+        model: type[M],
+        handler: Handler[M],
+        settings: MeshSettings,
+        stop: asyncio.Event,
+        *,
+        concurrency: int | None = None,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.spec = spec
+        self.model = model
+        self.handler = handler
+        self.settings = settings
+        self.stop = stop
+        self.concurrency = concurrency or settings.concurrency
+        self.dead_letters = DeadLetterPublisher(self.js)
+        self.max_deliver = -1 if spec.unlimited_deliveries else settings.max_deliver
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        """Pull and process until stopped; then drain in-flight work (see module doc)."""
+        sub = await self.js.pull_subscribe_bind(self.spec.durable, self.spec.stream)
+        try:
+            while not self.stop.is_set():
+                free = self.concurrency - len(self._tasks)
+                if free <= 0:
+                    await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    msgs = await sub.fetch(min(free, self.settings.fetch_batch), timeout=1.0)
+                except (NatsTimeoutError, TimeoutError):
+                    continue
+                except Exception as error:  # connection trouble: back off, keep going
+                    log.warning("fetch from %s/%s failed: %r",
+                                self.spec.stream, self.spec.durable, error)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stop.wait(), 1.0)
+                    continue
+                for msg in msgs:
+                    task = asyncio.create_task(self._process(msg))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+        finally:
+            await self._drain()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _drain(self) -> None:
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.shutdown_grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    async def _process(self, msg: Msg) -> None:
+        meta = msg.metadata
+        delivered = meta.num_delivered or 1
+        headers = dict(msg.headers or {})
+        try:
+            route = subjects.parse(msg.subject)
+            tenant, job = route.tenant, route.job
+        except subjects.SubjectError:
+            tenant, job = "unknown", subjects.NO_JOB
+        delivery = Delivery(
+            subject=msg.subject, headers=headers, delivered=delivered,
+            stream_seq=meta.sequence.stream, tenant=tenant, job=job,
+        )
+        heartbeat = asyncio.create_task(self._heartbeat(msg))
+        error: BaseException | None = None
+        try:
+            message = decode(msg.data, self.model)
+            outputs = await self.handler.handle(message, delivery)
+            inherited = {k: v for k, v in headers.items() if k in PASS_HEADERS}
+            await publish_all(self.js, outputs, inherited)
+        except asyncio.CancelledError:
+            heartbeat.cancel()
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            raise
+        except Exception as caught:
+            error = caught
+        finally:
+            heartbeat.cancel()
+        await self._settle(msg, delivery, error)
+
+    async def _settle(self, msg: Msg, delivery: Delivery, error: BaseException | None) -> None:
+        outcome = decide(error, delivery.delivered, self.max_deliver, self.settings.backoff_s)
+        try:
+            if outcome.verdict is Verdict.ACK:
+                await msg.ack()
+            elif outcome.verdict is Verdict.NAK:
+                log.info("nak %s (delivery %d, retry in %.1fs): %s", delivery.subject,
+                         delivery.delivered, outcome.delay_s, outcome.reason)
+                await msg.nak(delay=outcome.delay_s)
+            else:
+                log.warning("dead-lettering %s seq %d: %s", delivery.subject,
+                            delivery.stream_seq, outcome.reason)
+                await self.dead_letters.publish(
+                    stage=self.spec.stage, stream=self.spec.stream, subject=msg.subject,
+                    stream_seq=delivery.stream_seq, payload=msg.data,
+                    headers=delivery.headers, reason=outcome.reason,
+                    delivered=delivery.delivered,
+                )
+                await msg.term()
+        except (APIError, NatsTimeoutError, TimeoutError, TransientError) as failure:
+            # The dead letter (or the ack) did not land: leave the message unacked. It is
+            # redelivered, or, past max_deliver, caught by the MAX_DELIVERIES advisory.
+            log.error("could not settle %s seq %d: %r", delivery.subject,
+                      delivery.stream_seq, failure)
+
+    async def _heartbeat(self, msg: Msg) -> None:
+        interval = max(self.settings.ack_wait_s / 3, 0.2)
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            while True:
+                await asyncio.sleep(interval)
+                await msg.in_progress()

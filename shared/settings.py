@@ -1,0 +1,107 @@
+"""Mesh-wide settings, read from ``CRAWLMESH_*`` environment variables.
+
+Every service reads :class:`MeshSettings`; a service with settings of its own subclasses it
+in ``services/<name>/settings.py``. Durations are seconds (``*_s``), sizes are bytes
+(``*_bytes``). Nothing here is hard-coded elsewhere: stream replicas, limits, retention,
+duplicate windows and consumer retry schedules all come from these fields, so moving to a
+three-node cluster is ``CRAWLMESH_REPLICAS=3``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    """The crawlmesh home folder: ``$CRAWLMESH_HOME`` or ``~/.crawlmesh``."""
+    return Path.home() / ".crawlmesh"
+
+
+class MeshSettings(BaseSettings):
+    """Connection, stream and consumer settings shared by every process of the mesh.
+
+    Raises:
+        pydantic.ValidationError: on an invalid value, e.g. a backoff schedule longer than
+            ``max_deliver`` (JetStream refuses such a consumer).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="CRAWLMESH_", extra="ignore", frozen=True)
+
+    home: Path = Field(default_factory=default_home, description="State folder (config, store).")
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated.")
+    nats_creds: Path | None = Field(None, description="Optional NATS user creds file (operator mode).")
+    nats_connect_timeout_s: float = 5.0
+
+    # Streams
+    replicas: int = Field(1, ge=1, le=5, description="Replicas of every mesh stream (3 on a cluster).")
+    storage: Literal["file", "memory"] = "file"
+    stage_max_bytes: int = Field(1 << 30, description="Max bytes held by each internal stage stream.")
+    stage_max_msgs_per_subject: int = Field(
+        -1, description="Cap on messages one tenant+job may queue in a stage (-1: none)."
+    )
+    dlq_max_age_s: float = Field(14 * 86400, description="How long dead letters are kept.")
+    results_max_age_s: float = Field(7 * 86400, description="How long tenant results are kept.")
+    tenant_results_max_bytes: int = Field(1 << 30, description="RESULTS stream size per tenant.")
+    body_inline_max_bytes: int = Field(
+        512 * 1024, description="Compressed bodies above this go to the tenant's Object Store."
+    )
+    body_ttl_s: float = Field(86400, description="TTL of bodies kept in the Object Store.")
+
+    # Consumers
+    max_deliver: int = Field(5, ge=1, description="Deliveries before a message is dead-lettered.")
+    backoff_s: tuple[float, ...] = Field(
+        (2.0, 5.0, 15.0, 30.0),
+        description="Redelivery delays by attempt (seconds); the first is the ack wait.",
+    )
+    max_ack_pending: int = Field(256, ge=1)
+    fetch_batch: int = Field(32, ge=1, description="Messages pulled per fetch request.")
+    concurrency: int = Field(16, ge=1, description="Handlers running at once per service.")
+    shutdown_grace_s: float = Field(10.0, description="How long SIGTERM waits for in-flight work.")
+
+    @field_validator("backoff_s", mode="before")
+    @classmethod
+    def _parse_backoff(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(float(part) for part in value.split(",") if part.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> MeshSettings:
+        if not self.backoff_s:
+            raise ValueError("backoff_s needs at least one delay (the ack wait)")
+        if len(self.backoff_s) > self.max_deliver:
+            raise ValueError(
+                f"backoff_s has {len(self.backoff_s)} delays but max_deliver is "
+                f"{self.max_deliver}; JetStream requires len(backoff) <= max_deliver"
+            )
+        return self
+
+    @property
+    def ack_wait_s(self) -> float:
+        """Seconds before an unacknowledged delivery is redelivered (first backoff step)."""
+        return self.backoff_s[0]
+
+    def delay_after(self, delivered: int) -> float:
+        """Delay in seconds before attempt ``delivered + 1``, from the backoff schedule."""
+        index = min(max(delivered, 1), len(self.backoff_s)) - 1
+        return self.backoff_s[index]
+
+    @property
+    def redelivery_horizon_s(self) -> float:
+        """Longest time from first delivery to last: every backoff step, up to max_deliver."""
+        steps = [self.delay_after(n) for n in range(1, self.max_deliver + 1)]
+        return sum(steps)
+
+    @property
+    def duplicate_window_s(self) -> float:
+        """Duplicate window of every stage stream: at least the redelivery horizon, >= 2 min."""
+        return max(120.0, 2 * self.redelivery_horizon_s)
+
+    @property
+    def store_dir(self) -> Path:
+        """JetStream store folder of the embedded nats-server."""
+        return self.home / "jetstream"

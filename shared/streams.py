@@ -1,0 +1,277 @@
+"""The one owner of every stream, consumer, KV bucket and object store definition.
+
+Services call :func:`verify` and never invent a stream; ``crawlmesh init`` (and
+``crawlmesh up``) call :func:`ensure_mesh` and :func:`ensure_tenant`, which are idempotent:
+re-running them with changed settings updates replicas and limits in place.
+
+Stage streams use work-queue retention (a message lives until acked or terminated) and a
+duplicate window from :attr:`MeshSettings.duplicate_window_s`, at least as long as the
+whole redelivery horizon. No stream allows roll-ups, per-message TTLs or schedules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    ConsumerConfig,
+    DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from shared import subjects
+from shared.settings import MeshSettings
+from shared.subjects import Stage
+
+ADVISORY_MAX_DELIVERIES = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
+
+# KV buckets
+TENANTS_BUCKET = "tenants"
+JOBS_BUCKET = "jobs"
+PAGES_BUCKET = "pages"
+
+
+class StreamMissingError(RuntimeError):
+    """A stream or consumer a service needs does not exist (run ``crawlmesh init``)."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A stream: its name, subjects and whether it is a work queue."""
+
+    name: str
+    subjects: tuple[str, ...]
+    work_queue: bool = True
+    max_age_s: float = 0.0
+    max_bytes: int = -1
+    description: str = ""
+    per_subject_cap: bool = False
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable pull consumer with explicit ack on one stream."""
+
+    stream: str
+    durable: str
+    stage: Stage
+    filter_subject: str | None = None
+    unlimited_deliveries: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+# ---- stage streams (MESH account) --------------------------------------------------------
+
+LINKS = StreamSpec("LINKS", ("mesh.links.>",), description="discovered links -> dedup",
+                   per_subject_cap=True)
+FRONTIER = StreamSpec("FRONTIER", ("mesh.frontier.>",), description="admitted URLs -> fetcher",
+                      per_subject_cap=True)
+FETCHED = StreamSpec("FETCHED", ("mesh.fetched.>",), description="fetched pages -> parser",
+                     per_subject_cap=True)
+PARSED = StreamSpec("PARSED", ("mesh.parsed.>",), description="parsed pages -> sink",
+                    per_subject_cap=True)
+EXPANDED = StreamSpec("EXPANDED", ("mesh.expanded.>",), description="expansion reports -> sink")
+DLQ = StreamSpec("DLQ", ("mesh.dlq.>",), work_queue=False, description="dead letters")
+PARKED = StreamSpec("PARKED", ("mesh.parked.>",), description="results parked over quota")
+ADVISORIES = StreamSpec(
+    "ADVISORIES",
+    (f"{ADVISORY_MAX_DELIVERIES}.>",),
+    max_age_s=7 * 86400,
+    description="MAX_DELIVERIES advisories, so no exhausted message is missed",
+)
+
+MESH_STREAMS: tuple[StreamSpec, ...] = (
+    LINKS, FRONTIER, FETCHED, PARSED, EXPANDED, DLQ, PARKED, ADVISORIES,
+)
+
+
+def intake_stream(tenant: str) -> StreamSpec:
+    """One intake stream per tenant: no shared duplicate window, sequence or schedule."""
+    return StreamSpec(f"INTAKE_{tenant}", (subjects.seeds(tenant),),
+                      description=f"seed submissions of tenant {tenant}")
+
+
+def results_stream(tenant: str, settings: MeshSettings) -> StreamSpec:
+    """The tenant's RESULTS stream (one result per page)."""
+    return StreamSpec(
+        f"RESULTS_{tenant}", (f"tenant.{tenant}.results.>",), work_queue=False,
+        max_age_s=settings.results_max_age_s, max_bytes=settings.tenant_results_max_bytes,
+        description=f"page results of tenant {tenant}",
+    )
+
+
+def events_stream(tenant: str, settings: MeshSettings) -> StreamSpec:
+    """The tenant's EVENTS stream (job started / progress / completed)."""
+    return StreamSpec(
+        f"EVENTS_{tenant}", (f"tenant.{tenant}.events.>",), work_queue=False,
+        max_age_s=settings.results_max_age_s, description=f"job events of tenant {tenant}",
+    )
+
+
+def bodies_bucket(tenant: str) -> str:
+    """Object Store bucket holding the tenant's large bodies."""
+    return f"bodies_{tenant}"
+
+
+# ---- consumers ---------------------------------------------------------------------------
+
+DEDUP = ConsumerSpec(LINKS.name, "dedup", Stage.DEDUP)
+FETCHER = ConsumerSpec(FRONTIER.name, "fetcher", Stage.FETCHER)
+PARSER = ConsumerSpec(FETCHED.name, "parser", Stage.PARSER)
+SINK = ConsumerSpec(PARSED.name, "sink", Stage.SINK)
+SINK_EXPANDED = ConsumerSpec(EXPANDED.name, "sink-expanded", Stage.SINK)
+SINK_DLQ = ConsumerSpec(DLQ.name, "sink-dlq", Stage.SINK)
+DLQ_ADVISOR = ConsumerSpec(ADVISORIES.name, "dlq-advisor", Stage.SINK, unlimited_deliveries=True)
+
+MESH_CONSUMERS: tuple[ConsumerSpec, ...] = (
+    DEDUP, FETCHER, PARSER, SINK, SINK_EXPANDED, SINK_DLQ, DLQ_ADVISOR,
+)
+
+
+def seeder_consumer(tenant: str) -> ConsumerSpec:
+    return ConsumerSpec(intake_stream(tenant).name, "seeder", Stage.SEEDER)
+
+
+# ---- building configs --------------------------------------------------------------------
+
+
+def stream_config(spec: StreamSpec, settings: MeshSettings) -> StreamConfig:
+    """The full JetStream config of ``spec`` under ``settings``."""
+    per_subject = settings.stage_max_msgs_per_subject if spec.per_subject_cap else -1
+    max_bytes = spec.max_bytes
+    if spec.work_queue and max_bytes < 0:
+        max_bytes = settings.stage_max_bytes
+    if spec is DLQ:
+        max_age = settings.dlq_max_age_s
+    else:
+        max_age = spec.max_age_s
+    return StreamConfig(
+        name=spec.name,
+        description=spec.description or None,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy.WORK_QUEUE if spec.work_queue else RetentionPolicy.LIMITS,
+        storage=StorageType.FILE if settings.storage == "file" else StorageType.MEMORY,
+        num_replicas=settings.replicas,
+        max_bytes=max_bytes,
+        max_age=max_age,
+        max_msgs_per_subject=per_subject,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=per_subject > 0,
+        duplicate_window=settings.duplicate_window_s,
+        allow_rollup_hdrs=False,
+        allow_msg_ttl=False,
+        allow_msg_schedules=False,
+        deny_purge=False,
+        deny_delete=False,
+    )
+
+
+def consumer_config(spec: ConsumerSpec, settings: MeshSettings) -> ConsumerConfig:
+    """Durable pull consumer, explicit ack, ``max_deliver`` and backoff from settings."""
+    if spec.unlimited_deliveries:
+        return ConsumerConfig(
+            durable_name=spec.durable, ack_policy="explicit", max_deliver=-1,
+            ack_wait=30.0, max_ack_pending=settings.max_ack_pending,
+            filter_subject=spec.filter_subject,
+        )
+    return ConsumerConfig(
+        durable_name=spec.durable,
+        ack_policy="explicit",
+        deliver_policy="all",
+        max_deliver=settings.max_deliver,
+        backoff=list(settings.backoff_s),
+        ack_wait=settings.ack_wait_s,
+        max_ack_pending=settings.max_ack_pending,
+        filter_subject=spec.filter_subject,
+        **spec.extra,  # type: ignore[arg-type]
+    )
+
+
+# ---- ensure / verify ---------------------------------------------------------------------
+
+
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec, settings: MeshSettings) -> None:
+    """Create ``spec``'s stream, or update it in place to match ``settings``."""
+    config = stream_config(spec, settings)
+    try:
+        await js.stream_info(spec.name)
+    except NotFoundError:
+        await js.add_stream(config)
+        return
+    await js.update_stream(config)
+
+
+async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec, settings: MeshSettings) -> None:
+    """Create or update ``spec``'s durable consumer (JetStream's create is an upsert)."""
+    await js.add_consumer(spec.stream, consumer_config(spec, settings))
+
+
+async def ensure_mesh(js: JetStreamContext, settings: MeshSettings) -> None:
+    """Create or update every MESH stream, consumer and KV bucket. Idempotent."""
+    for spec in MESH_STREAMS:
+        await ensure_stream(js, spec, settings)
+    for consumer in MESH_CONSUMERS:
+        await ensure_consumer(js, consumer, settings)
+    for bucket, history in ((TENANTS_BUCKET, 1), (JOBS_BUCKET, 5), (PAGES_BUCKET, 1)):
+        await ensure_kv(js, bucket, settings, history=history)
+
+
+async def ensure_kv(
+    js: JetStreamContext, bucket: str, settings: MeshSettings, *, history: int = 1,
+    ttl_s: float | None = None,
+) -> None:
+    """Create the KV bucket if absent (its settings are checked, not silently changed)."""
+    config = KeyValueConfig(
+        bucket=bucket, history=history, ttl=ttl_s, replicas=settings.replicas,
+        storage=StorageType.FILE if settings.storage == "file" else StorageType.MEMORY,
+    )
+    try:
+        await js.key_value(bucket)
+    except (NotFoundError, BadRequestError):
+        await js.create_key_value(config)
+
+
+async def ensure_tenant(js: JetStreamContext, tenant: str, settings: MeshSettings) -> None:
+    """Create or update a tenant's intake stream and seeder consumer, RESULTS, EVENTS
+    streams and its body Object Store bucket. Idempotent."""
+    await ensure_stream(js, intake_stream(tenant), settings)
+    await ensure_consumer(js, seeder_consumer(tenant), settings)
+    await ensure_stream(js, results_stream(tenant, settings), settings)
+    await ensure_stream(js, events_stream(tenant, settings), settings)
+    try:
+        await js.object_store(bodies_bucket(tenant))
+    except (NotFoundError, BadRequestError):
+        await js.create_object_store(
+            bodies_bucket(tenant),
+            ObjectStoreConfig(
+                ttl=settings.body_ttl_s, replicas=settings.replicas,
+                storage=StorageType.FILE if settings.storage == "file" else StorageType.MEMORY,
+            ),
+        )
+
+
+async def verify(js: JetStreamContext, consumers: tuple[ConsumerSpec, ...]) -> None:
+    """Check that each consumer and its stream exist; services never create them.
+
+    Raises:
+        StreamMissingError: naming the missing stream or consumer.
+    """
+    for spec in consumers:
+        try:
+            await js.stream_info(spec.stream)
+        except NotFoundError:
+            raise StreamMissingError(
+                f"stream {spec.stream} does not exist (run `crawlmesh init`)"
+            ) from None
+        try:
+            await js.consumer_info(spec.stream, spec.durable)
+        except NotFoundError:
+            raise StreamMissingError(
+                f"consumer {spec.durable} on {spec.stream} does not exist (run `crawlmesh init`)"
+            ) from None
