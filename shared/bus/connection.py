@@ -25,7 +25,7 @@ async def connect(settings: MeshSettings, name: str) -> Client:
         log.warning("nats error: %s", error)
 
     async def on_disconnect() -> None:
-        log.warning("disconnected from nats")
+        log.info("disconnected from nats")
 
     async def on_reconnect() -> None:
         log.info("reconnected to nats")

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Generic, Protocol, TypeVar
 
 from nats.aio.client import Client
@@ -55,6 +56,8 @@ class Outbound:
     message: Contract
     msg_id: str
     headers: dict[str, str] = field(default_factory=dict)
+    core: bool = False
+    """Plain NATS publish (a reply to a requester), not JetStream: no PubAck, no msg id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ class Delivery:
     stream_seq: int
     tenant: str
     job: str
+    published_at: datetime | None = None
 
 
 class Handler(Protocol[M_contra]):
@@ -88,6 +92,9 @@ async def publish_all(
         return
 
     async def one(out: Outbound) -> None:
+        if out.core:
+            await js._nc.publish(out.subject, encode(out.message))
+            return
         headers = {**(inherited or {}), **out.headers, "Nats-Msg-Id": out.msg_id}
         await js.publish(out.subject, encode(out.message), headers=headers)
 
@@ -110,12 +117,14 @@ class ConsumeLoop(Generic[M]):
         stop: asyncio.Event,
         *,
         concurrency: int | None = None,
+        decoder: Callable[[bytes], M] | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.spec = spec
         self.model = model
         self.handler = handler
+        self.decoder: Callable[[bytes], M] = decoder or (lambda data: decode(data, model))
         self.settings = settings
         self.stop = stop
         self.concurrency = concurrency or settings.concurrency
@@ -172,11 +181,12 @@ class ConsumeLoop(Generic[M]):
         delivery = Delivery(
             subject=msg.subject, headers=headers, delivered=delivered,
             stream_seq=meta.sequence.stream, tenant=tenant, job=job,
+            published_at=meta.timestamp,
         )
         heartbeat = asyncio.create_task(self._heartbeat(msg))
         error: BaseException | None = None
         try:
-            message = decode(msg.data, self.model)
+            message = self.decoder(msg.data)
             outputs = await self.handler.handle(message, delivery)
             inherited = {k: v for k, v in headers.items() if k in PASS_HEADERS}
             await publish_all(self.js, outputs, inherited)

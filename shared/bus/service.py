@@ -36,6 +36,7 @@ class LoopSpec:
     model: type[Contract]
     handler: Handler[Any]
     concurrency: int | None = None
+    decoder: Callable[[bytes], Any] | None = None
 
 
 Setup = Callable[[Client, MeshSettings], Awaitable[Sequence[LoopSpec]]]
@@ -62,7 +63,7 @@ async def run_service(name: str, settings: MeshSettings, setup: Setup,
         await verify(js, tuple(spec.consumer for spec in specs))
         loops = [
             ConsumeLoop(nc, s.consumer, s.model, s.handler, settings, stop,
-                        concurrency=s.concurrency)
+                        concurrency=s.concurrency, decoder=s.decoder)
             for s in specs
         ]
         log.info("service %s running %d loops", name, len(loops))

@@ -1,0 +1,1 @@
+"""Dedup: canonicalises discovered links and admits each URL once per job."""

@@ -1,0 +1,1 @@
+"""Fetcher: fetches frontier entries over HTTP."""

@@ -1,0 +1,1 @@
+"""Parser: parses fetched HTML into page fields and outlinks."""

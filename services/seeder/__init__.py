@@ -1,0 +1,1 @@
+"""Seeder: validates seed submissions, creates jobs, emits depth-0 links."""

@@ -1,0 +1,1 @@
+"""Sink: delivers results and job events into each tenant's streams."""

@@ -1,0 +1,1 @@
+"""The ``crawlmesh`` command line."""

