@@ -93,6 +93,9 @@ class EmbeddedMesh:
         env = dict(os.environ)
         env["CRAWLMESH_NATS_URL"] = self.url
         env["CRAWLMESH_HOME"] = str(self.settings.home)
+        # The embedded mesh runs on a laptop against local test sites: loopback is allowed
+        # (production keeps the default egress policy, which refuses it).
+        env.setdefault("CRAWLMESH_FETCHER_EGRESS_ALLOW", '["127.0.0.0/8", "::1/128"]')
         return env
 
     def spawn(self, child: Child) -> None:

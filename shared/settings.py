@@ -1,7 +1,7 @@
 """Mesh-wide settings, read from ``CRAWLMESH_*`` environment variables.
 
-Every service reads :class:`MeshSettings`; a service with settings of its own subclasses it
-in ``services/<name>/settings.py``. Durations are seconds (``*_s``), sizes are bytes
+Every service reads :class:`MeshSettings`; a service with settings of its own keeps them in
+``services/<name>/settings.py`` under its own prefix (``CRAWLMESH_FETCHER_*``, ...). Durations are seconds (``*_s``), sizes are bytes
 (``*_bytes``). Nothing here is hard-coded elsewhere: stream replicas, limits, retention,
 duplicate windows and consumer retry schedules all come from these fields, so moving to a
 three-node cluster is ``CRAWLMESH_REPLICAS=3``.
@@ -10,10 +10,10 @@ three-node cluster is ``CRAWLMESH_REPLICAS=3``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def default_home() -> Path:
@@ -53,7 +53,7 @@ class MeshSettings(BaseSettings):
 
     # Consumers
     max_deliver: int = Field(5, ge=1, description="Deliveries before a message is dead-lettered.")
-    backoff_s: tuple[float, ...] = Field(
+    backoff_s: Annotated[tuple[float, ...], NoDecode] = Field(
         (2.0, 5.0, 15.0, 30.0),
         description="Redelivery delays by attempt (seconds); the first is the ack wait.",
     )
@@ -62,11 +62,21 @@ class MeshSettings(BaseSettings):
     concurrency: int = Field(16, ge=1, description="Handlers running at once per service.")
     shutdown_grace_s: float = Field(10.0, description="How long SIGTERM waits for in-flight work.")
 
+    # Testing
+    fault_inject: str | None = Field(
+        None,
+        description=(
+            "Fault injection for tests and chaos runs, '<stage>:<regex>': that stage's "
+            "handler fails on every message whose payload matches. Off by default."
+        ),
+    )
+
     @field_validator("backoff_s", mode="before")
     @classmethod
     def _parse_backoff(cls, value: object) -> object:
         if isinstance(value, str):
-            return tuple(float(part) for part in value.split(",") if part.strip())
+            text = value.strip().strip("[]()")
+            return tuple(float(part) for part in text.split(",") if part.strip())
         return value
 
     @model_validator(mode="after")

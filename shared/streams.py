@@ -35,6 +35,9 @@ ADVISORY_MAX_DELIVERIES = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
 TENANTS_BUCKET = "tenants"
 JOBS_BUCKET = "jobs"
 PAGES_BUCKET = "pages"
+ROBOTS_BUCKET = "robots"
+ROBOTS_MAX_AGE_S = 86400.0
+"""Life of a robots.txt record in ``ROBOTS_BUCKET`` (RFC 9309 §2.4: at most 24 hours)."""
 
 
 class StreamMissingError(RuntimeError):
@@ -78,6 +81,10 @@ PARSED = StreamSpec("PARSED", ("mesh.parsed.>",), description="parsed pages -> s
                     per_subject_cap=True)
 EXPANDED = StreamSpec("EXPANDED", ("mesh.expanded.>",), description="expansion reports -> sink")
 DLQ = StreamSpec("DLQ", ("mesh.dlq.>",), work_queue=False, description="dead letters")
+LEDGER = StreamSpec(
+    "LEDGER", ("mesh.ledger.>",), work_queue=False,
+    description="completion ledger: per-subject counts of admitted/finished pages per job",
+)
 PARKED = StreamSpec("PARKED", ("mesh.parked.>",), description="results parked over quota")
 ADVISORIES = StreamSpec(
     "ADVISORIES",
@@ -87,7 +94,7 @@ ADVISORIES = StreamSpec(
 )
 
 MESH_STREAMS: tuple[StreamSpec, ...] = (
-    LINKS, FRONTIER, FETCHED, PARSED, EXPANDED, DLQ, PARKED, ADVISORIES,
+    LINKS, FRONTIER, FETCHED, PARSED, EXPANDED, DLQ, LEDGER, PARKED, ADVISORIES,
 )
 
 
@@ -220,6 +227,7 @@ async def ensure_mesh(js: JetStreamContext, settings: MeshSettings) -> None:
         await ensure_consumer(js, consumer, settings)
     for bucket, history in ((TENANTS_BUCKET, 1), (JOBS_BUCKET, 5), (PAGES_BUCKET, 1)):
         await ensure_kv(js, bucket, settings, history=history)
+    await ensure_kv(js, ROBOTS_BUCKET, settings, ttl_s=ROBOTS_MAX_AGE_S)
 
 
 async def ensure_kv(

@@ -11,6 +11,7 @@ partitioned frontier need no renaming later::
     mesh.expanded.<tenant>.<job>               "page expanded, n admitted" -> sink
     mesh.dlq.<stage>.<tenant>.<job>            dead letters
     mesh.parked.<tenant>.<job>                 results parked while a tenant is over quota
+    mesh.ledger.<tenant>.<job>.<kind>          completion ledger (admitted/finished/failed/seeded)
     tenant.<tenant>.results.<job>              results, delivered into the tenant's RESULTS
     tenant.<tenant>.events.<job>               job events, into the tenant's EVENTS
 
@@ -29,6 +30,8 @@ from enum import StrEnum
 
 PARTITIONS = 64
 """Fixed number of frontier partitions (P). Changing it re-homes every host: don't."""
+
+_MESH_KINDS = frozenset({"links", "fetched", "parsed", "expanded", "parked"})
 
 NO_JOB = "none"
 """Job token used for intake messages that belong to no job yet."""
@@ -109,6 +112,19 @@ def parked(tenant: str, job: str) -> str:
     return f"mesh.parked.{tenant}.{job}"
 
 
+class LedgerKind(StrEnum):
+    """Entries of the completion ledger; one per page (or per job for ``seeded``)."""
+
+    ADMITTED = "admitted"
+    FINISHED = "finished"
+    FAILED = "failed"
+    SEEDED = "seeded"
+
+
+def ledger(tenant: str, job: str, kind: LedgerKind | str) -> str:
+    return f"mesh.ledger.{tenant}.{job}.{LedgerKind(kind)}"
+
+
 def results(tenant: str, job: str) -> str:
     """Mesh-side subject whose messages land in the tenant's RESULTS stream."""
     return f"tenant.{tenant}.results.{job}"
@@ -137,17 +153,24 @@ def parse(subject: str) -> Route:
         SubjectError: if the subject is not one of the shapes in this module's docstring.
     """
     tokens = subject.split(".")
+    route: Route | None = None
     match tokens:
         case ["crawl", "seeds", tenant]:
-            return Route("seeds", tenant, NO_JOB)
-        case ["mesh", "frontier", _partition, tenant, job]:
-            return Route("frontier", tenant, job)
-        case ["mesh", "dlq", _stage, tenant, job]:
-            return Route("dlq", tenant, job)
-        case ["mesh", kind, tenant, job]:
-            return Route(kind, tenant, job)
-        case ["tenant", tenant, kind, job]:
-            return Route(kind, tenant, job)
+            route = Route("seeds", tenant, NO_JOB)
+        case ["mesh", "frontier", partition, tenant, job] if partition.isdigit() and int(
+            partition
+        ) < PARTITIONS:
+            route = Route("frontier", tenant, job)
+        case ["mesh", "dlq", stage, tenant, job] if stage in Stage.__members__.values():
+            route = Route("dlq", tenant, job)
+        case ["mesh", "ledger", tenant, job, kind] if kind in LedgerKind.__members__.values():
+            route = Route("ledger", tenant, job)
+        case ["mesh", kind, tenant, job] if kind in _MESH_KINDS:
+            route = Route(kind, tenant, job)
+        case ["tenant", tenant, kind, job] if kind in ("results", "events"):
+            route = Route(kind, tenant, job)
+    if route and _TOKEN.match(route.tenant) and _TOKEN.match(route.job):
+        return route
     raise SubjectError(f"not a crawlmesh subject: {subject!r}")
 
 

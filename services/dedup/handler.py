@@ -1,63 +1,114 @@
-"""The dedup handler: discovered links in; frontier entries and one expansion report out."""
+"""The dedup handler: discovered links in; frontier entries, ledger entries and one
+expansion report out.
+
+For each link: canonicalise (``shared.urls``), check the job's scope, depth and URL length
+(``services.dedup.scope``), then admit once per job (``services.dedup.admission``). Every
+admitted URL gets a frontier entry on its host's partition and an ``admitted`` ledger
+entry; only after those are acknowledged is the :class:`PageExpanded` report published
+(phase 1), so the sink never sees a page expanded before its children are counted.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Protocol
 
+from services.dedup.admission import Candidate
+from services.dedup.scope import JobScope
 from shared import subjects
 from shared.bus.loop import Delivery, Outbound
-from shared.contracts import DiscoveredLinks, FrontierEntry, PageExpanded
-from shared.subjects import Stage
+from shared.bus.outcomes import UnprocessableError
+from shared.contracts import (
+    CrawlRequest,
+    DiscoveredLinks,
+    FrontierEntry,
+    JobRecord,
+    JobState,
+    LedgerEntry,
+    PageExpanded,
+)
+from shared.jobs import ledger_msg_id
+from shared.subjects import LedgerKind, Stage
 from shared.urls import UrlError, canonical_url, fingerprint, host_of
 
 
-class SeenSet(Protocol):
-    """Per-job admission: atomic create-if-absent recording which message admitted a URL."""
+class Admission(Protocol):
+    async def admit(
+        self, tenant: str, job: str, candidates: list[Candidate], cause: str,
+        max_pages: int, max_pages_per_host: int,
+    ) -> list[Candidate]: ...
 
-    async def admit(self, tenant: str, job: str, fingerprint: str, admitted_by: str) -> bool:
-        """True if this URL is new for the job, or was admitted by ``admitted_by`` itself
-        (a redelivery republishes rather than calling its own admission a duplicate)."""
-        ...
+
+class JobSource(Protocol):
+    async def cached(self, tenant: str, job: str) -> JobRecord | None: ...
 
 
 class DedupHandler:
     """Admits each canonical URL once per job (see module docstring)."""
 
-    def __init__(self, seen: SeenSet) -> None:
-        self.seen = seen
+    def __init__(self, admission: Admission, jobs: JobSource, max_scopes: int = 1000) -> None:
+        self.admission = admission
+        self.jobs = jobs
+        self.max_scopes = max_scopes
+        self._scopes: OrderedDict[tuple[str, str], JobScope] = OrderedDict()
+
+    def scope(self, tenant: str, job: str, request: CrawlRequest) -> JobScope:
+        key = (tenant, job)
+        found = self._scopes.get(key)
+        if found is None:
+            found = self._scopes[key] = JobScope(request)
+            while len(self._scopes) > self.max_scopes:
+                self._scopes.popitem(last=False)
+        return found
 
     async def handle(self, message: DiscoveredLinks, delivery: Delivery) -> list[Outbound]:
+        """Raises:
+        UnprocessableError: the job does not exist (dead-lettered with that reason).
+        """
         tenant, job = message.tenant, message.job_id
+        record = await self.jobs.cached(tenant, job)
+        if record is None:
+            raise UnprocessableError(f"unknown job {job!r} of tenant {tenant}")
         source = message.source_fingerprint or "seeds"
         cause = subjects.msg_id(Stage.DEDUP, tenant, job, f"from-{source}-{message.part}")
+        candidates: list[Candidate] = []
+        urls: dict[str, str] = {}
+        request = record.request
+        if record.state is JobState.RUNNING and message.depth <= request.max_depth:
+            scope = self.scope(tenant, job, request)
+            for link in message.links:
+                try:
+                    url = canonical_url(link.url)
+                except UrlError:
+                    continue
+                fp = fingerprint(url)
+                if fp in urls or scope.check(url) is not None:
+                    continue
+                urls[fp] = url
+                candidates.append(Candidate(fp, host_of(url)))
+        admitted = await self.admission.admit(
+            tenant, job, candidates, cause, request.max_pages, request.max_pages_per_host
+        )
         outputs: list[Outbound] = []
-        admitted: list[str] = []
-        batch: set[str] = set()
-        for link in message.links:
-            try:
-                url = canonical_url(link.url)
-            except UrlError:
-                continue
-            fp = fingerprint(url)
-            if fp in batch:
-                continue
-            batch.add(fp)
-            if not await self.seen.admit(tenant, job, fp, cause):
-                continue
-            admitted.append(fp)
-            host = host_of(url)
+        for cand in admitted:
             entry = FrontierEntry(
-                tenant=tenant, job_id=job, url=url, fingerprint=fp, host=host,
-                depth=message.depth,
+                tenant=tenant, job_id=job, url=urls[cand.fingerprint],
+                fingerprint=cand.fingerprint, host=cand.host, depth=message.depth,
             )
             outputs.append(Outbound(
-                subjects.frontier(subjects.partition_of(host), tenant, job), entry,
-                subjects.msg_id(Stage.DEDUP, tenant, job, fp),
+                subjects.frontier(subjects.partition_of(cand.host), tenant, job), entry,
+                subjects.msg_id(Stage.DEDUP, tenant, job, cand.fingerprint),
+            ))
+            outputs.append(Outbound(
+                subjects.ledger(tenant, job, LedgerKind.ADMITTED),
+                LedgerEntry(tenant=tenant, job_id=job, kind="admitted",
+                            fingerprint=cand.fingerprint),
+                ledger_msg_id(tenant, job, LedgerKind.ADMITTED, cand.fingerprint),
             ))
         report = PageExpanded(
             tenant=tenant, job_id=job, fingerprint=message.source_fingerprint,
             links_seen=len(message.links), admitted=len(admitted),
-            admitted_fingerprints=tuple(admitted),
+            admitted_fingerprints=tuple(c.fingerprint for c in admitted),
         )
-        outputs.append(Outbound(subjects.expanded(tenant, job), report, cause))
+        outputs.append(Outbound(subjects.expanded(tenant, job), report, cause, phase=1))
         return outputs

@@ -1,20 +1,68 @@
-"""Fetcher service entry."""
+"""Fetcher service entry: NATS-backed stores for robots.txt and bodies, and the handler."""
 
 from __future__ import annotations
 
-import httpx
+import logging
+
 from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 
 from services.fetcher.handler import FetcherHandler
+from services.fetcher.settings import FetcherSettings
 from shared.bus.service import LoopSpec
 from shared.contracts import FrontierEntry
 from shared.settings import MeshSettings
-from shared.streams import FETCHER
+from shared.streams import FETCHER, ROBOTS_BUCKET
+
+log = logging.getLogger(__name__)
+
+
+class KvRobotsStore:
+    """robots.txt records in the ``robots`` KV bucket (the bucket's TTL expires them)."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+
+    async def get(self, key: str) -> bytes | None:
+        kv = await self.js.key_value(ROBOTS_BUCKET)
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:  # includes deleted and purged keys
+            return None
+        return entry.value
+
+    async def put(self, key: str, value: bytes) -> None:
+        kv = await self.js.key_value(ROBOTS_BUCKET)
+        await kv.put(key, value)
+
+
+class ObjectStoreBodies:
+    """Large bodies in the tenant's Object Store bucket (created by ``ensure_tenant``)."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+
+    async def put(self, bucket: str, name: str, data: bytes) -> None:
+        store = await self.js.object_store(bucket)
+        await store.put(name, data)
 
 
 async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(10.0, connect=5.0), follow_redirects=True, max_redirects=5,
-        headers={"User-Agent": "crawlmesh/0.1"},
+    """The fetcher's loop over the ``fetcher`` consumer of ``FRONTIER``.
+
+    ``http_retries`` is kept below ``max_deliver`` so the last delivery always reports a
+    result instead of being dead-lettered.
+    """
+    fetcher = FetcherSettings()
+    js = nc.jetstream()
+    http_retries = min(fetcher.http_retries, settings.max_deliver - 1)
+    if http_retries < fetcher.http_retries:
+        log.warning("http_retries lowered to %d to stay below max_deliver %d",
+                    http_retries, settings.max_deliver)
+    handler = FetcherHandler.build(
+        fetcher, robots_store=KvRobotsStore(js), bodies=ObjectStoreBodies(js),
+        body_inline_max_bytes=settings.body_inline_max_bytes, http_retries=http_retries,
     )
-    return [LoopSpec(FETCHER, FrontierEntry, FetcherHandler(client))]
+    concurrency = min(fetcher.concurrency, settings.max_ack_pending)
+    return [LoopSpec(FETCHER, FrontierEntry, handler, concurrency=concurrency)]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
+
+import orjson
 
 from services.seeder.intake import SubmissionError, parse_submission
 from shared import subjects
@@ -99,14 +102,12 @@ class SeederHandler:
 
 def _reply_to_of(data: bytes) -> str | None:
     """Best-effort ``reply_to`` of an invalid JSON request, so the rejection still reaches it."""
-    import orjson
-
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
     reply = value.get("reply_to") if isinstance(value, dict) else None
-    if isinstance(reply, str) and reply and " " not in reply and len(reply) <= 256:
+    if isinstance(reply, str) and re.fullmatch(r"_INBOX\.[A-Za-z0-9_.-]{1,250}", reply):
         return reply
     return None
 

@@ -1,59 +1,204 @@
-"""The sink handlers: parsed pages and dead letters in; tenant results out."""
+"""The sink: results into the tenant's RESULTS stream, page states, job completion.
+
+Three inputs: parsed pages (a result each), dedup's expansion reports, and dead letters
+(each a ``failed`` record for its job). Every input advances its page's state
+(``services.sink.pages``); when a page becomes finished its ``finished`` ledger entry is
+published and the job is checked for completion (``services.sink.completion``).
+"""
 
 from __future__ import annotations
 
+import logging
+from typing import Protocol
+
+from services.sink.completion import CompletionTracker
+from services.sink.pages import PageEvent, PageRecord, PageState, advance, delivered
 from shared import subjects
 from shared.bus.loop import Delivery, Outbound
-from shared.contracts import DeadLetter, Outcome, PageExpanded, PageResult, ParsedPage
-from shared.subjects import Stage
+from shared.codec import DecodeError, decode
+from shared.contracts import (
+    DeadLetter,
+    DiscoveredLinks,
+    FetchedPage,
+    FrontierEntry,
+    LedgerEntry,
+    Outcome,
+    PageExpanded,
+    PageResult,
+    ParsedPage,
+)
+from shared.contracts.base import Contract
+from shared.jobs import ledger_msg_id
+from shared.subjects import LedgerKind, Stage
+
+log = logging.getLogger(__name__)
+
+ROBOTS_PREFIX = "robots.txt disallows"
+UNSUPPORTED_TYPES_OK = ("text/html", "application/xhtml+xml")
+
+
+class Publisher(Protocol):
+    """Publishes with a ``Nats-Msg-Id`` and waits for the PubAck (raises on failure)."""
+
+    async def publish(self, subject: str, message: Contract, msg_id: str) -> None: ...
+
+
+class PageStates(Protocol):
+    async def get(self, tenant: str, job: str, fingerprint: str) -> PageRecord | None: ...
+
+    async def set(self, tenant: str, job: str, fingerprint: str, record: PageRecord,
+                  to: PageState) -> bool: ...
 
 
 def outcome_of(page: ParsedPage) -> Outcome:
-    """Classify a parsed page: ok, HTTP error, or a fetch error."""
-    if page.error:
+    """Classify a page: robots disallow, fetch error, HTTP error, unsupported type, ok."""
+    if page.error and page.error.startswith(ROBOTS_PREFIX):
+        return Outcome.ROBOTS_DISALLOWED
+    if page.error and page.status == 0:
         return Outcome.FETCH_ERROR
     if page.status >= 400:
         return Outcome.HTTP_ERROR
+    content_type = (page.content_type or "").split(";")[0].strip().lower()
+    if page.status < 300 and content_type not in UNSUPPORTED_TYPES_OK:
+        return Outcome.UNSUPPORTED
+    if page.error:
+        return Outcome.FETCH_ERROR
     return Outcome.OK
 
 
-class SinkHandler:
-    """One result per parsed page into the tenant's RESULTS stream."""
+def result_of(page: ParsedPage) -> PageResult:
+    return PageResult(
+        tenant=page.tenant, job_id=page.job_id, url=page.url, final_url=page.final_url,
+        fingerprint=page.fingerprint, outcome=outcome_of(page), status=page.status or None,
+        content_type=page.content_type, depth=page.depth, title=page.title,
+        description=page.description, canonical_url=page.canonical_url,
+        fetched_at=page.fetched_at, extracted=dict(page.extracted), error=page.error,
+    )
+
+
+class PageLedger:
+    """Applies page events: CAS the state, publish the result / ledger entries, check."""
+
+    def __init__(self, publisher: Publisher, pages: PageStates,
+                 completion: CompletionTracker) -> None:
+        self.publisher = publisher
+        self.pages = pages
+        self.completion = completion
+
+    async def apply(self, tenant: str, job: str, fingerprint: str, event: PageEvent,
+                    result: PageResult | None = None) -> None:
+        """Advance one page by ``event``; deliver ``result`` first if not yet delivered."""
+        for _ in range(50):
+            record = await self.pages.get(tenant, job, fingerprint)
+            if record is None:
+                log.info("no page state for %s/%s/%s: job purged?", tenant, job, fingerprint)
+                return
+            if result is not None and not delivered(record.state):
+                await self.publisher.publish(
+                    subjects.results(tenant, job), result,
+                    subjects.msg_id(Stage.SINK, tenant, job, fingerprint),
+                )
+            to = advance(record.state, event)
+            if to is None:
+                if record.state is PageState.FINISHED:
+                    await self._finished(tenant, job, fingerprint, event)  # redelivery
+                return
+            if not await self.pages.set(tenant, job, fingerprint, record, to):
+                continue
+            if to is PageState.FINISHED:
+                await self._finished(tenant, job, fingerprint, event)
+            return
+        raise RuntimeError(f"page state of {fingerprint} kept changing")
+
+    async def _finished(self, tenant: str, job: str, fingerprint: str, event: PageEvent) -> None:
+        if event is PageEvent.FAILED:
+            await self.publisher.publish(
+                subjects.ledger(tenant, job, LedgerKind.FAILED),
+                LedgerEntry(tenant=tenant, job_id=job, kind="failed", fingerprint=fingerprint),
+                ledger_msg_id(tenant, job, LedgerKind.FAILED, fingerprint),
+            )
+        await self.publisher.publish(
+            subjects.ledger(tenant, job, LedgerKind.FINISHED),
+            LedgerEntry(tenant=tenant, job_id=job, kind="finished", fingerprint=fingerprint),
+            ledger_msg_id(tenant, job, LedgerKind.FINISHED, fingerprint),
+        )
+        await self.completion.check(tenant, job)
+
+    async def seeded(self, tenant: str, job: str) -> None:
+        await self.publisher.publish(
+            subjects.ledger(tenant, job, LedgerKind.SEEDED),
+            LedgerEntry(tenant=tenant, job_id=job, kind="seeded"),
+            ledger_msg_id(tenant, job, LedgerKind.SEEDED, "seeds"),
+        )
+        await self.completion.check(tenant, job)
+
+
+class ResultHandler:
+    """Parsed page -> one result for the tenant (once per page)."""
+
+    def __init__(self, ledger: PageLedger) -> None:
+        self.ledger = ledger
 
     async def handle(self, message: ParsedPage, delivery: Delivery) -> list[Outbound]:
-        result = PageResult(
-            tenant=message.tenant, job_id=message.job_id, url=message.url,
-            final_url=message.final_url, fingerprint=message.fingerprint,
-            outcome=outcome_of(message), status=message.status,
-            content_type=message.content_type, depth=message.depth, title=message.title,
-            fetched_at=message.fetched_at, extracted=dict(message.extracted),
-            error=message.error,
-        )
-        return [Outbound(
-            subjects.results(message.tenant, message.job_id), result,
-            subjects.msg_id(Stage.SINK, message.tenant, message.job_id, message.fingerprint),
-        )]
-
-
-class ExpansionHandler:
-    """Expansion reports (completion accounting comes with the job tracker)."""
-
-    async def handle(self, message: PageExpanded, delivery: Delivery) -> list[Outbound]:
+        if not await self.ledger.completion.running(message.tenant, message.job_id):
+            return []
+        await self.ledger.apply(message.tenant, message.job_id, message.fingerprint,
+                                PageEvent.RESULT, result_of(message))
         return []
 
 
+class ExpansionHandler:
+    """Dedup's report that a page's outlinks were admitted or rejected."""
+
+    def __init__(self, ledger: PageLedger) -> None:
+        self.ledger = ledger
+
+    async def handle(self, message: PageExpanded, delivery: Delivery) -> list[Outbound]:
+        if not await self.ledger.completion.running(message.tenant, message.job_id):
+            return []
+        if message.fingerprint is None:
+            await self.ledger.seeded(message.tenant, message.job_id)
+        else:
+            await self.ledger.apply(message.tenant, message.job_id, message.fingerprint,
+                                    PageEvent.EXPANDED)
+        return []
+
+
+_PAGE_MODELS: dict[str, type[FrontierEntry] | type[FetchedPage] | type[ParsedPage]] = {
+    "FRONTIER": FrontierEntry, "FETCHED": FetchedPage, "PARSED": ParsedPage,
+}
+
+
 class DeadLetterHandler:
-    """Each dead letter becomes a ``failed`` record for its job."""
+    """Each dead letter of a page becomes a ``failed`` result, finishing the page."""
+
+    def __init__(self, ledger: PageLedger) -> None:
+        self.ledger = ledger
 
     async def handle(self, message: DeadLetter, delivery: Delivery) -> list[Outbound]:
-        if message.job_id == subjects.NO_JOB or message.tenant == "unknown":
+        tenant, job = message.tenant, message.job_id
+        if job == subjects.NO_JOB or not await self.ledger.completion.running(tenant, job):
             return []
-        result = PageResult(
-            tenant=message.tenant, job_id=message.job_id, url=message.subject,
-            fingerprint=f"dlq-{message.id}", outcome=Outcome.FAILED, depth=0,
-            error=f"dead-lettered by {message.stage}: {message.reason}",
-        )
-        return [Outbound(
-            subjects.results(message.tenant, message.job_id), result,
-            subjects.msg_id(Stage.SINK, message.tenant, message.job_id, f"dlq-{message.id}"),
-        )]
+        try:
+            if message.stream in _PAGE_MODELS:
+                page = decode(message.original, _PAGE_MODELS[message.stream])
+                result = PageResult(
+                    tenant=tenant, job_id=job, url=page.url, fingerprint=page.fingerprint,
+                    outcome=Outcome.FAILED, depth=page.depth,
+                    error=f"dead-lettered by {message.stage}: {message.reason}",
+                )
+                await self.ledger.apply(tenant, job, page.fingerprint, PageEvent.FAILED, result)
+            elif message.stream in ("LINKS", "EXPANDED"):
+                model = DiscoveredLinks if message.stream == "LINKS" else PageExpanded
+                links = decode(message.original, model)
+                source = (links.source_fingerprint if isinstance(links, DiscoveredLinks)
+                          else links.fingerprint)
+                if source is None:
+                    await self.ledger.seeded(tenant, job)
+                else:
+                    await self.ledger.apply(tenant, job, source, PageEvent.EXPANDED)
+            else:
+                log.warning("dead letter %s from %s: no page to fail", message.id, message.stream)
+        except DecodeError as error:
+            log.warning("dead letter %s holds no decodable page (%s)", message.id, error)
+        return []

@@ -21,6 +21,7 @@ from shared.bus.deadletter import DeadLetterPublisher
 from shared.bus.loop import Delivery, Outbound
 from shared.contracts.base import Contract
 from shared.streams import DLQ, MESH_CONSUMERS, ConsumerSpec
+from shared.subjects import Stage
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,17 @@ class MaxDeliveriesAdvisory(Contract):
     deliveries: int
 
 
-def stage_of(consumer: str, extra: Sequence[ConsumerSpec] = ()) -> str:
-    """The stage whose consumer ``consumer`` is (``seeder`` for intake consumers)."""
+def stage_of(stream: str, consumer: str, extra: Sequence[ConsumerSpec] = ()) -> Stage:
+    """The stage owning ``consumer`` on ``stream`` (intake streams belong to the seeder).
+
+    Unknown consumers are attributed to the sink, the stage that records failures.
+    """
     for spec in (*MESH_CONSUMERS, *extra):
-        if spec.durable == consumer:
-            return str(spec.stage)
-    return consumer if consumer != "seeder" else "seeder"
+        if spec.durable == consumer and spec.stream == stream:
+            return spec.stage
+    if stream.startswith("INTAKE_"):
+        return Stage.SEEDER
+    return Stage.SINK
 
 
 class MaxDeliveriesHandler:
@@ -71,7 +77,7 @@ class MaxDeliveriesHandler:
             return []
         headers = {k: v for k, v in (original.headers or {}).items()}
         await self.dead_letters.publish(
-            stage=stage_of(message.consumer),
+            stage=stage_of(message.stream, message.consumer),
             stream=message.stream,
             subject=original.subject or "",
             stream_seq=message.stream_seq,

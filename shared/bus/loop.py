@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -58,6 +59,8 @@ class Outbound:
     headers: dict[str, str] = field(default_factory=dict)
     core: bool = False
     """Plain NATS publish (a reply to a requester), not JetStream: no PubAck, no msg id."""
+    phase: int = 0
+    """Outputs are published phase by phase: all of phase 0 acknowledged before phase 1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,9 @@ async def publish_all(
 ) -> None:
     """Publish ``outputs`` concurrently, each with its ``Nats-Msg-Id``; wait for every PubAck.
 
+    Outputs of a lower ``phase`` are all acknowledged before any of a higher one is sent
+    (dedup's frontier and ledger entries land before its expansion report).
+
     Raises:
         TransientError: a publish failed or timed out (the input will be retried; the
             outputs that did land are de-duplicated by their ids).
@@ -98,10 +104,12 @@ async def publish_all(
         headers = {**(inherited or {}), **out.headers, "Nats-Msg-Id": out.msg_id}
         await js.publish(out.subject, encode(out.message), headers=headers)
 
-    results = await asyncio.gather(*(one(out) for out in outputs), return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        raise TransientError(f"publish failed: {errors[0]!r}", retry_after_s=None)
+    for phase in sorted({out.phase for out in outputs}):
+        batch = [out for out in outputs if out.phase == phase]
+        results = await asyncio.gather(*(one(out) for out in batch), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise TransientError(f"publish failed: {errors[0]!r}", retry_after_s=None)
 
 
 class ConsumeLoop(Generic[M]):
@@ -131,6 +139,11 @@ class ConsumeLoop(Generic[M]):
         self.dead_letters = DeadLetterPublisher(self.js)
         self.max_deliver = -1 if spec.unlimited_deliveries else settings.max_deliver
         self._tasks: set[asyncio.Task[None]] = set()
+        self._fault: re.Pattern[bytes] | None = None
+        if settings.fault_inject:
+            stage, _, pattern = settings.fault_inject.partition(":")
+            if stage == spec.stage and spec.durable not in ("dlq-advisor", "sink-dlq"):
+                self._fault = re.compile(pattern.encode())
 
     async def run(self) -> None:
         """Pull and process until stopped; then drain in-flight work (see module doc)."""
@@ -138,8 +151,11 @@ class ConsumeLoop(Generic[M]):
         try:
             while not self.stop.is_set():
                 free = self.concurrency - len(self._tasks)
-                if free <= 0:
-                    await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                if free <= 0:  # every slot busy: wait for one, or for stop (then drain)
+                    stopping = asyncio.ensure_future(self.stop.wait())
+                    await asyncio.wait({*self._tasks, stopping},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    stopping.cancel()
                     continue
                 try:
                     msgs = await sub.fetch(min(free, self.settings.fetch_batch), timeout=1.0)
@@ -187,6 +203,8 @@ class ConsumeLoop(Generic[M]):
         error: BaseException | None = None
         try:
             message = self.decoder(msg.data)
+            if self._fault is not None and self._fault.search(msg.data):
+                raise RuntimeError(f"injected fault (CRAWLMESH_FAULT_INJECT) in {self.spec.stage}")
             outputs = await self.handler.handle(message, delivery)
             inherited = {k: v for k, v in headers.items() if k in PASS_HEADERS}
             await publish_all(self.js, outputs, inherited)
@@ -209,7 +227,7 @@ class ConsumeLoop(Generic[M]):
             elif outcome.verdict is Verdict.NAK:
                 log.info("nak %s (delivery %d, retry in %.1fs): %s", delivery.subject,
                          delivery.delivered, outcome.delay_s, outcome.reason)
-                await msg.nak(delay=outcome.delay_s)
+                await msg.nak(delay=self._nak_delay(outcome.delay_s, delivery.delivered))
             else:
                 log.warning("dead-lettering %s seq %d: %s", delivery.subject,
                             delivery.stream_seq, outcome.reason)
@@ -225,6 +243,22 @@ class ConsumeLoop(Generic[M]):
             # redelivered, or, past max_deliver, caught by the MAX_DELIVERIES advisory.
             log.error("could not settle %s seq %d: %r", delivery.subject,
                       delivery.stream_seq, failure)
+
+    def _nak_delay(self, delay_s: float, delivered: int) -> float:
+        """The delay to send with ``-NAK`` so redelivery comes ``delay_s`` seconds from now.
+
+        On a consumer with a backoff schedule, nats-server (2.15: ``processNak`` and
+        ``checkPending`` in ``server/consumer.go``) backdates a delayed nak by the ack wait
+        (``backoff[0]``) but then waits for ``backoff[n - 1]`` of delivery ``n``: the
+        redelivery comes ``delay + backoff[n - 1] - backoff[0]`` after the nak. Subtract that
+        excess; a delay shorter than the excess cannot be had (a delayed nak is redelivered
+        no sooner), so never send less than 1 ms (a zero delay would be an immediate nak).
+        """
+        backoff = self.settings.backoff_s
+        if self.spec.unlimited_deliveries or not backoff:  # that consumer has no backoff
+            return delay_s
+        excess = backoff[min(max(delivered, 1), len(backoff)) - 1] - backoff[0]
+        return max(delay_s - excess, 0.001)
 
     async def _heartbeat(self, msg: Msg) -> None:
         interval = max(self.settings.ack_wait_s / 3, 0.2)

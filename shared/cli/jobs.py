@@ -1,40 +1,185 @@
-"""``crawlmesh crawl``, ``results``: submitting crawls and reading a tenant's results."""
+"""``crawlmesh crawl``, ``status``, ``cancel``, ``results``: a tenant's view of its jobs."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
 
+import nats
 import orjson
 import typer
+from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shared import subjects
 from shared.bus.connection import connect
-from shared.codec import encode
-from shared.contracts import CrawlRequest
+from shared.codec import decode, encode
+from shared.contracts import (
+    CrawlRequest,
+    JobEvent,
+    JobEventKind,
+    JobState,
+    Scope,
+    ScopeMode,
+    SeedReply,
+)
+from shared.jobs import JobNotFoundError, JobStore, ledger_counts
 from shared.settings import MeshSettings
-from shared.streams import results_stream
-from shared.tenancy import DEFAULT_TENANT, TenantRegistry
+from shared.streams import events_stream, results_stream
+from shared.tenancy import DEFAULT_TENANT, TenantError, TenantRegistry
 
 console = Console(stderr=True)
 
 
-async def submit(settings: MeshSettings, tenant: str, request: CrawlRequest) -> str:
-    """Publish ``request`` on the tenant's intake subject; return the job id.
+class CrawlError(RuntimeError):
+    """The crawl was rejected or the mesh is unreachable; the message says why."""
+
+
+async def submit(nc: Client, tenant_id: str, request: CrawlRequest, timeout_s: float = 30) -> str:
+    """Publish ``request`` on the tenant's intake subject and wait for the seeder's answer.
+
+    Returns the job id.
 
     Raises:
-        shared.tenancy.TenantError: unknown tenant.
+        CrawlError: rejected (with the seeder's reason) or no answer within ``timeout_s``.
     """
-    nc = await connect(settings, name="crawlmesh-cli")
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, max_msgs=1)
+    request = request.model_copy(update={"reply_to": inbox,
+                                         "job_id": request.job_id or subjects.new_job_id()})
+    await nc.jetstream().publish(subjects.seeds(tenant_id), encode(request))
     try:
-        js = nc.jetstream()
-        tenant_id = await TenantRegistry(js).resolve(tenant)
-        job = request.job_id or subjects.new_job_id()
-        request = request.model_copy(update={"job_id": job})
-        await js.publish(subjects.seeds(tenant_id), encode(request))
-        return job
+        msg = await sub.next_msg(timeout=timeout_s)
+    except (NatsTimeoutError, TimeoutError):
+        raise CrawlError(f"no answer from the seeder within {timeout_s:.0f}s "
+                         "(is the mesh running? `crawlmesh up`)") from None
+    reply = decode(msg.data, SeedReply)
+    if not reply.accepted or reply.job_id is None:
+        raise CrawlError(f"crawl rejected: {reply.reason}")
+    return reply.job_id
+
+
+async def wait_for_job(nc: Client, settings: MeshSettings, tenant_id: str, job: str,
+                       show: bool) -> JobEvent:
+    """Follow the job's events until it completes or is cancelled, showing progress.
+
+    Returns the final event (``completed`` or ``cancelled``).
+    """
+    js = nc.jetstream()
+    sub = await js.subscribe(
+        subjects.events(tenant_id, job), stream=events_stream(tenant_id, settings).name,
+        ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
+    )
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
+                        TimeElapsedColumn(), console=console, disable=not show)
+    with progress:
+        task = progress.add_task(f"job {job}", total=None, detail="")
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except (NatsTimeoutError, TimeoutError):
+                counts = await ledger_counts(js, tenant_id, job)
+                progress.update(task, total=max(counts.admitted, 1), completed=counts.finished,
+                                detail=f"failed {counts.failed}")
+                continue
+            event = decode(msg.data, JobEvent)
+            if event.kind in (JobEventKind.COMPLETED, JobEventKind.CANCELLED):
+                progress.update(task, total=max(event.counters.admitted, 1),
+                                completed=event.counters.finished,
+                                detail=f"failed {event.counters.failed}")
+                await sub.unsubscribe()
+                return event
+
+
+async def export_results(nc: Client, settings: MeshSettings, tenant_id: str, job: str,
+                         output: Path | None, follow: bool = False) -> int:
+    """Write the job's results as JSON lines to ``output`` (stdout when None).
+
+    With ``follow``, keep printing new results until the job is no longer running.
+    Returns how many results were written.
+    """
+    js = nc.jetstream()
+    sub = await js.pull_subscribe(
+        subjects.results(tenant_id, job), durable=None,
+        stream=results_stream(tenant_id, settings).name,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy="none",
+                              inactive_threshold=60.0, max_ack_pending=-1),
+    )
+    handle = output.open("wb") if output else sys.stdout.buffer
+    count = 0
+    jobs = JobStore(js)
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(512, timeout=1.0)
+            except (NatsTimeoutError, TimeoutError):
+                msgs = []
+            for msg in msgs:
+                handle.write(msg.data + b"\n")
+                count += 1
+            if msgs:
+                continue
+            if not follow:
+                info = await sub.consumer_info()
+                if info.num_pending == 0:
+                    break
+            else:
+                record = await jobs.cached(tenant_id, job)
+                if record is None or record.state is not JobState.RUNNING:
+                    follow = False
+        handle.flush()
+    finally:
+        if output:
+            handle.close()
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return count
+
+
+async def _tenant_id(nc: Client, tenant: str) -> str:
+    try:
+        return await TenantRegistry(nc.jetstream()).resolve(tenant)
+    except TenantError as error:
+        raise CrawlError(str(error)) from None
+
+
+async def _connect_or_explain(settings: MeshSettings) -> Client:
+    try:
+        return await connect(settings, name="crawlmesh-cli")
+    except (nats.errors.NoServersError, OSError) as error:
+        raise CrawlError(f"cannot reach NATS at {settings.nats_url}: {error} "
+                         "(start the mesh with `crawlmesh up`)") from None
+
+
+async def run_crawl(settings: MeshSettings, tenant: str, request: CrawlRequest, wait: bool,
+                    output: Path | None) -> int:
+    """Submit, optionally wait and export. Returns the process exit status."""
+    nc = await _connect_or_explain(settings)
+    try:
+        tenant_id = await _tenant_id(nc, tenant)
+        started = time.monotonic()
+        job = await submit(nc, tenant_id, request)
+        console.print(f"job [bold]{job}[/] accepted")
+        if not wait:
+            typer.echo(job)
+            return 0
+        event = await wait_for_job(nc, settings, tenant_id, job, show=True)
+        elapsed = time.monotonic() - started
+        c = event.counters
+        console.print(f"job {job} {event.kind}: {c.finished} pages finished "
+                      f"({c.failed} failed) of {c.admitted} admitted in {elapsed:.1f}s")
+        if output is not None:
+            count = await export_results(nc, settings, tenant_id, job, output)
+            console.print(f"{count} results written to {output}")
+        typer.echo(job)
+        return 0 if event.kind is JobEventKind.COMPLETED else 1
     finally:
         await nc.close()
 
@@ -44,48 +189,114 @@ def crawl(
     tenant: str = typer.Option(DEFAULT_TENANT, help="Tenant name or id."),
     max_pages: int = typer.Option(10_000, help="Most pages admitted for the job."),
     max_depth: int = typer.Option(3, help="Most link hops from a seed."),
+    max_pages_per_host: int = typer.Option(0, help="Most pages per host (0: no cap)."),
+    scope: ScopeMode = typer.Option(ScopeMode.SAME_HOST, help="Which links to follow."),
+    wait: bool = typer.Option(False, "--wait", help="Show progress and exit when complete."),
+    output: Path | None = typer.Option(None, help="With --wait: write results (JSON lines)."),
+    embedded: bool = typer.Option(True, help="Start the embedded mesh if none is running."),
 ) -> None:
-    """Submit a crawl of SEEDS and print its job id."""
+    """Submit a crawl of SEEDS (prints the job id); with --wait, follow it to completion."""
+    from shared.cli.mesh import ensure_mesh_running
+
     try:
-        request = CrawlRequest(seeds=tuple(seeds), max_pages=max_pages, max_depth=max_depth)
+        request = CrawlRequest(seeds=tuple(seeds), max_pages=max_pages, max_depth=max_depth,
+                               max_pages_per_host=max_pages_per_host, scope=Scope(mode=scope))
     except ValueError as error:
         console.print(f"[red]invalid crawl request:[/] {error}")
         raise typer.Exit(2) from None
-    job = asyncio.run(submit(MeshSettings(), tenant, request))
-    typer.echo(job)
+    settings = MeshSettings()
+    with ensure_mesh_running(settings, allowed=embedded) as active:
+        try:
+            status = asyncio.run(run_crawl(active, tenant, request, wait or bool(output), output))
+        except CrawlError as error:
+            console.print(f"[red]{error}[/]")
+            raise typer.Exit(1) from None
+    raise typer.Exit(status)
 
 
-async def read_results(settings: MeshSettings, tenant: str, job: str, wait_s: float) -> int:
-    """Print every result of ``job`` as a JSON line; return how many were printed."""
-    nc = await connect(settings, name="crawlmesh-results")
-    count = 0
+def status(
+    job: str | None = typer.Argument(None, help="Job id (all jobs when omitted)."),
+    tenant: str = typer.Option(DEFAULT_TENANT, help="Tenant name or id."),
+) -> None:
+    """Show a job's state and counters, or list the tenant's jobs."""
+
+    async def show() -> None:
+        settings = MeshSettings()
+        nc = await _connect_or_explain(settings)
+        try:
+            tenant_id = await _tenant_id(nc, tenant)
+            js = nc.jetstream()
+            store = JobStore(js)
+            records = [(await store.get(tenant_id, job))[0]] if job else await store.all(tenant_id)
+            for record in records:
+                counts = record.counters or await ledger_counts(js, tenant_id, record.job_id)
+                typer.echo(orjson.dumps({
+                    "job_id": record.job_id, "state": record.state,
+                    "created_at": record.created_at.isoformat(),
+                    "finished_at": record.finished_at.isoformat() if record.finished_at else None,
+                    "seeds": list(record.request.seeds), **counts.model_dump(),
+                }).decode())
+        finally:
+            await nc.close()
+
     try:
-        js = nc.jetstream()
-        tenant_id = await TenantRegistry(js).resolve(tenant)
-        stream = results_stream(tenant_id, settings).name
-        sub = await js.pull_subscribe(
-            subjects.results(tenant_id, job), durable=None, stream=stream,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy="none",
-                                  inactive_threshold=30.0),
-        )
-        while True:
-            try:
-                msgs = await sub.fetch(256, timeout=wait_s)
-            except (NatsTimeoutError, TimeoutError):
-                break
-            for msg in msgs:
-                typer.echo(orjson.loads(msg.data) and msg.data.decode())
-                count += 1
-        return count
-    finally:
-        await nc.close()
+        asyncio.run(show())
+    except (CrawlError, JobNotFoundError) as error:
+        console.print(f"[red]{error}[/]")
+        raise typer.Exit(1) from None
+
+
+def cancel(
+    job: str = typer.Argument(..., help="Job id."),
+    tenant: str = typer.Option(DEFAULT_TENANT, help="Tenant name or id."),
+) -> None:
+    """Cancel a running job: nothing more is admitted or fetched for it."""
+
+    async def run() -> bool:
+        settings = MeshSettings()
+        nc = await _connect_or_explain(settings)
+        try:
+            tenant_id = await _tenant_id(nc, tenant)
+            js = nc.jetstream()
+            counts = await ledger_counts(js, tenant_id, job)
+            changed = await JobStore(js).transition(tenant_id, job, JobState.CANCELLED, counts)
+            if changed:
+                event = JobEvent(tenant=tenant_id, job_id=job, kind=JobEventKind.CANCELLED,
+                                 counters=counts, reason="cancelled by request")
+                await js.publish(subjects.events(tenant_id, job), encode(event),
+                                 headers={"Nats-Msg-Id": f"cli:{tenant_id}:{job}:cancelled"})
+            return changed
+        finally:
+            await nc.close()
+
+    try:
+        changed = asyncio.run(run())
+    except (CrawlError, JobNotFoundError) as error:
+        console.print(f"[red]{error}[/]")
+        raise typer.Exit(1) from None
+    console.print(f"job {job} cancelled" if changed else f"job {job} was not running")
 
 
 def results(
     job: str = typer.Argument(..., help="Job id."),
     tenant: str = typer.Option(DEFAULT_TENANT, help="Tenant name or id."),
-    wait: float = typer.Option(2.0, help="Stop after this many seconds without a new result."),
+    follow: bool = typer.Option(False, "--follow", help="Keep printing until the job ends."),
+    output: Path | None = typer.Option(None, help="Write to this file instead of stdout."),
 ) -> None:
-    """Print a job's results (one JSON object per line) from the tenant's RESULTS stream."""
-    count = asyncio.run(read_results(MeshSettings(), tenant, job, wait))
+    """Print a job's results, one JSON object per line, from the tenant's RESULTS stream."""
+
+    async def run() -> int:
+        settings = MeshSettings()
+        nc = await _connect_or_explain(settings)
+        try:
+            tenant_id = await _tenant_id(nc, tenant)
+            return await export_results(nc, settings, tenant_id, job, output, follow)
+        finally:
+            await nc.close()
+
+    try:
+        count = asyncio.run(run())
+    except CrawlError as error:
+        console.print(f"[red]{error}[/]")
+        raise typer.Exit(1) from None
     console.print(f"{count} results")

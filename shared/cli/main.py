@@ -15,6 +15,8 @@ app.command()(mesh.up)
 app.command()(mesh.service)
 app.command()(jobs.crawl)
 app.command()(jobs.results)
+app.command()(jobs.status)
+app.command()(jobs.cancel)
 
 
 @app.command()

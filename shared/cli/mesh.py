@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
+import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from urllib.parse import urlsplit
 
 import typer
 from nats.aio.client import Client
@@ -33,7 +38,9 @@ def _setups() -> dict[str, Callable[[Client, MeshSettings], Awaitable[Sequence[L
     return {"seeder": seeder, "dedup": dedup, "fetcher": fetcher, "parser": parser, "sink": sink}
 
 
-async def initialise(settings: MeshSettings, tenants: Sequence[str] = (DEFAULT_TENANT,)) -> dict[str, str]:
+async def initialise(
+    settings: MeshSettings, tenants: Sequence[str] = (DEFAULT_TENANT,)
+) -> dict[str, str]:
     """Create or update every stream, consumer and bucket, and register ``tenants``.
 
     Returns ``{tenant name: tenant id}``. Idempotent.
@@ -90,6 +97,64 @@ def start_embedded(settings: MeshSettings) -> EmbeddedMesh:
         mesh.stop()
         raise
     return mesh
+
+
+def _reachable(url: str) -> bool:
+    """True if something accepts TCP connections at the first server of ``url``."""
+    parts = urlsplit(url.split(",")[0].strip())
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 4222), 1.0):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def ensure_mesh_running(settings: MeshSettings, allowed: bool = True) -> Iterator[MeshSettings]:
+    """Yield settings pointing at a running mesh, starting an embedded one if needed.
+
+    Order: a mesh started by `crawlmesh up` from ``settings.home``; else a NATS server
+    already listening at ``settings.nats_url`` (e.g. docker compose); else, if ``allowed``,
+    a new embedded mesh (`crawlmesh up` as a child process), stopped again on exit.
+
+    Raises:
+        typer.Exit: no mesh and not allowed to start one, or it failed to start.
+    """
+    state = running_mesh(settings.home)
+    if state:
+        yield settings.model_copy(update={"nats_url": str(state["url"])})
+        return
+    if _reachable(settings.nats_url):
+        yield settings
+        return
+    if not allowed:
+        console.print(f"no mesh running at {settings.nats_url}; start one with `crawlmesh up`")
+        raise typer.Exit(1)
+    console.print(f"starting the embedded mesh (state in {settings.home}, "
+                  f"logs in {settings.home / 'logs'})")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli.main", "up"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            state = running_mesh(settings.home)
+            if state and state.get("pid") == child.pid:
+                break
+            if child.poll() is not None or time.monotonic() > deadline:
+                err = (child.stderr.read() if child.stderr else b"").decode(errors="replace")
+                console.print(f"[red]the embedded mesh did not start:[/] {err[-2000:]}")
+                raise typer.Exit(1)
+            time.sleep(0.1)
+        yield settings.model_copy(update={"nats_url": str(state["url"])})
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
 
 
 def up() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, ClassVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 
 
 def utc_now() -> datetime:
@@ -21,6 +21,10 @@ def _require_utc(value: datetime) -> datetime:
 
 UtcDatetime = Annotated[datetime, AfterValidator(_require_utc)]
 """An aware datetime, normalised to UTC; naive datetimes are rejected."""
+
+
+Token = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+"""A subject token (tenant id, job id): no dots, wildcards or whitespace."""
 
 
 class Contract(BaseModel):

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from shared.contracts.base import Contract, UtcDatetime, utc_now
+from shared.contracts.base import Contract, Token, UtcDatetime, utc_now
 
 
 class Link(Contract):
@@ -31,8 +31,8 @@ class DiscoveredLinks(Contract):
     """
 
     schema_version: Literal[1] = 1
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     origin: LinkOrigin
     depth: int = Field(ge=0)
     source_url: str | None = None
@@ -46,8 +46,8 @@ class FrontierEntry(Contract):
     """An admitted URL for the fetcher (``mesh.frontier.<partition>.<tenant>.<job>``)."""
 
     schema_version: Literal[1] = 1
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     url: str = Field(description="Canonical URL.")
     fingerprint: str
     host: str
@@ -76,8 +76,8 @@ class FetchedPage(Contract):
 
     BINARY_FIELD: ClassVar[str | None] = "body"
     schema_version: Literal[1] = 1
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     url: str
     final_url: str
     fingerprint: str
@@ -97,8 +97,8 @@ class ParsedPage(Contract):
     """A parsed page for the sink (``mesh.parsed.<tenant>.<job>``)."""
 
     schema_version: Literal[1] = 1
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     url: str
     final_url: str
     fingerprint: str
@@ -122,9 +122,20 @@ class PageExpanded(Contract):
     """
 
     schema_version: Literal[1] = 1
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     fingerprint: str | None = Field(description="Page whose links these were; None for seeds.")
     links_seen: int = Field(ge=0)
     admitted: int = Field(ge=0)
     admitted_fingerprints: tuple[str, ...] = ()
+
+
+class LedgerEntry(Contract):
+    """One completion-ledger entry (``mesh.ledger.<tenant>.<job>.<kind>``), one per page and
+    kind; the server's per-subject counts of these are the job's counters."""
+
+    schema_version: Literal[1] = 1
+    tenant: Token
+    job_id: Token
+    kind: Literal["admitted", "finished", "failed", "seeded"]
+    fingerprint: str | None = None

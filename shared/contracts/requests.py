@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.contracts.base import Contract, UtcDatetime, utc_now
+from shared.contracts.base import Contract, Token, UtcDatetime, utc_now
 
 MAX_URL_CHARS = 2048
 """Longest URL accepted anywhere (a common browser and server limit)."""
@@ -101,7 +101,8 @@ class CrawlRequest(Contract):
     max_pages_per_host: int = Field(0, ge=0)
     rules: tuple[ExtractionRule, ...] = Field((), max_length=100)
     reply_to: str | None = Field(
-        None, max_length=256, description="Subject the seeder answers on (accepted/rejected)."
+        None, max_length=256, pattern=r"^_INBOX\.[A-Za-z0-9_.-]+$",
+        description="An _INBOX.* subject the seeder answers on (accepted/rejected).",
     )
 
     @field_validator("seeds")
@@ -114,7 +115,7 @@ class SeedReply(Contract):
     """The seeder's answer to a submission that asked for one."""
 
     schema_version: Literal[1] = 1
-    tenant: str
+    tenant: Token
     accepted: bool
     job_id: str | None = None
     reason: str | None = None
@@ -132,15 +133,17 @@ class JobCounters(Contract):
     admitted: int = 0
     finished: int = 0
     failed: int = 0
+    seeded: bool = False
 
 
 class JobRecord(Contract):
     """A job as stored in the ``jobs`` KV bucket (key ``<tenant>.<job>``)."""
 
     schema_version: Literal[1] = 1
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     request: CrawlRequest
     state: JobState = JobState.RUNNING
     created_at: UtcDatetime = Field(default_factory=utc_now)
     finished_at: UtcDatetime | None = None
+    counters: JobCounters | None = Field(None, description="Final totals, once not running.")

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from shared.contracts.base import Contract, UtcDatetime, utc_now
+from shared.contracts.base import Contract, Token, UtcDatetime, utc_now
 from shared.contracts.requests import JobCounters
 
 
@@ -24,8 +24,8 @@ class PageResult(Contract):
     """One result per page, in the tenant's ``RESULTS`` stream (``crawl.results.<job>``)."""
 
     schema_version: Literal[1] = 1
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     url: str
     final_url: str | None = None
     fingerprint: str
@@ -53,8 +53,8 @@ class JobEvent(Contract):
     """A job lifecycle event, in the tenant's ``EVENTS`` stream (``crawl.events.<job>``)."""
 
     schema_version: Literal[1] = 1
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     kind: JobEventKind
     at: UtcDatetime = Field(default_factory=utc_now)
     counters: JobCounters = JobCounters()
@@ -65,15 +65,15 @@ class DeadLetter(Contract):
     """A message the mesh could not process (``mesh.dlq.<stage>.<tenant>.<job>``).
 
     Keeps the original payload (out of band, ``BINARY_FIELD``) and headers so it can be
-    inspected and replayed. ``id`` is ``<stream>:<sequence>`` of the original message, and
-    is also the ``Nats-Msg-Id`` of the dead letter so two paths never double it.
+    inspected and replayed. ``id`` is ``<stream>:<sequence>`` of the original message; the
+    dead letter's ``Nats-Msg-Id`` is ``dlq:<id>``, so two paths never double it.
     """
 
     BINARY_FIELD: ClassVar[str | None] = "original"
     schema_version: Literal[1] = 1
     id: str
-    tenant: str
-    job_id: str
+    tenant: Token
+    job_id: Token
     stage: str
     reason: str
     delivery_count: int = Field(ge=0)

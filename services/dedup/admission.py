@@ -1,0 +1,182 @@
+"""Admitting URLs once per job: a KV create-if-absent per URL, page budgets by CAS.
+
+Keys in the ``pages`` bucket: ``<tenant>.<job>.<fingerprint>`` for each URL (value
+``admitted <msg id of the admitting message>``, later advanced by the sink), and
+``<tenant>.<job>._budget`` / ``<tenant>.<job>._host_<hash>`` for the page budgets.
+
+Budgets are reserved before URLs are created and unused reservations are released, so a
+job never admits more than ``max_pages`` (or ``max_pages_per_host`` for a host). A process
+that dies between reserving and creating leaks its reservation: after a crash a job may
+admit slightly fewer pages than its budget, never more.
+
+An in-process LRU cache of fingerprints already decided spares the round trip for the
+~55 links per page that are mostly duplicates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from shared.streams import PAGES_BUCKET
+
+ADMITTED = "admitted"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A canonical URL that passed scope checks, waiting for admission."""
+
+    fingerprint: str
+    host: str
+
+
+class DecisionCache:
+    """LRU of ``(tenant, job, fingerprint) -> admitting msg id`` (bounded entries)."""
+
+    def __init__(self, max_entries: int = 500_000) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+
+    def get(self, key: tuple[str, str, str]) -> str | None:
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: tuple[str, str, str], cause: str) -> None:
+        self._entries[key] = cause
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
+class KvAdmission:
+    """The seen-set and page budgets in the ``pages`` KV bucket (see module docstring)."""
+
+    def __init__(self, js: JetStreamContext, cache: DecisionCache | None = None) -> None:
+        self.js = js
+        self.cache = cache or DecisionCache()
+
+    async def admit(
+        self, tenant: str, job: str, candidates: list[Candidate], cause: str,
+        max_pages: int, max_pages_per_host: int,
+    ) -> list[Candidate]:
+        """Admit the new candidates (and those ``cause`` itself admitted before).
+
+        Returns the admitted candidates, in input order.
+        """
+        kv = await self.js.key_value(PAGES_BUCKET)
+        undecided: list[Candidate] = []
+        admitted: list[Candidate] = []
+        for cand in candidates:
+            known = self.cache.get((tenant, job, cand.fingerprint))
+            if known is None:
+                undecided.append(cand)
+            elif known == cause:
+                admitted.append(cand)
+        if not undecided:
+            return admitted
+        granted = await self._reserve(kv, f"{tenant}.{job}._budget", len(undecided), max_pages)
+        wanted = undecided[:granted]
+        if max_pages_per_host > 0:
+            wanted = await self._reserve_hosts(kv, tenant, job, wanted, max_pages_per_host)
+        chosen = {c.fingerprint for c in wanted}
+        fresh: set[str] = set()
+        for cand in undecided:
+            key = f"{tenant}.{job}.{cand.fingerprint}"
+            if cand.fingerprint in chosen:
+                try:
+                    await kv.create(key, f"{ADMITTED} {cause}".encode())
+                    fresh.add(cand.fingerprint)
+                    self.cache.put((tenant, job, cand.fingerprint), cause)
+                    admitted.append(cand)
+                    continue
+                except KeyWrongLastSequenceError:
+                    pass
+            # Already decided, or over budget: admitted only if this very message did it
+            # before (a redelivery republishes instead of calling it a duplicate).
+            owner = await self._owner(kv, key)
+            self.cache.put((tenant, job, cand.fingerprint), owner or "-")
+            if owner == cause:
+                admitted.append(cand)
+        if len(fresh) < len(wanted):
+            await self._release(kv, f"{tenant}.{job}._budget", len(wanted) - len(fresh))
+        if max_pages_per_host > 0:
+            await self._release_hosts(kv, tenant, job, [c for c in wanted if c.fingerprint not in fresh])
+        order = {c.fingerprint: i for i, c in enumerate(candidates)}
+        return sorted(admitted, key=lambda c: order[c.fingerprint])
+
+    async def _owner(self, kv, key: str) -> str | None:  # type: ignore[no-untyped-def]
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            return None
+        value = (entry.value or b"").decode()
+        # "admitted <cause>" while queued; the sink later rewrites it as "<state> <cause>".
+        return value.split(" ", 1)[1] if " " in value else None
+
+    async def _reserve(self, kv, key: str, want: int, limit: int) -> int:  # type: ignore[no-untyped-def]
+        """Add up to ``want`` to counter ``key`` without passing ``limit``; return the grant."""
+        for _ in range(100):
+            try:
+                entry = await kv.get(key)
+                used, revision = int(entry.value or b"0"), entry.revision
+            except KeyNotFoundError:
+                used, revision = 0, None
+            grant = max(0, min(want, limit - used))
+            if grant == 0:
+                return 0
+            try:
+                if revision is None:
+                    await kv.create(key, str(used + grant).encode())
+                else:
+                    await kv.update(key, str(used + grant).encode(), last=revision)
+                return grant
+            except KeyWrongLastSequenceError:
+                continue
+        return 0
+
+    async def _release(self, kv, key: str, count: int) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(100):
+            entry = await kv.get(key)
+            value = max(0, int(entry.value or b"0") - count)
+            try:
+                await kv.update(key, str(value).encode(), last=entry.revision)
+                return
+            except KeyWrongLastSequenceError:
+                continue
+
+    @staticmethod
+    def _host_key(tenant: str, job: str, host: str) -> str:
+        digest = hashlib.blake2b(host.encode(), digest_size=8).hexdigest()
+        return f"{tenant}.{job}._host_{digest}"
+
+    async def _reserve_hosts(  # type: ignore[no-untyped-def]
+        self, kv, tenant: str, job: str, wanted: list[Candidate], limit: int
+    ) -> list[Candidate]:
+        by_host: dict[str, list[Candidate]] = {}
+        for cand in wanted:
+            by_host.setdefault(cand.host, []).append(cand)
+        kept: list[Candidate] = []
+        released = 0
+        for host, group in by_host.items():
+            grant = await self._reserve(kv, self._host_key(tenant, job, host), len(group), limit)
+            kept.extend(group[:grant])
+            released += len(group) - grant
+        if released:
+            await self._release(kv, f"{tenant}.{job}._budget", released)
+        return kept
+
+    async def _release_hosts(  # type: ignore[no-untyped-def]
+        self, kv, tenant: str, job: str, unused: list[Candidate]
+    ) -> None:
+        counts: dict[str, int] = {}
+        for cand in unused:
+            counts[cand.host] = counts.get(cand.host, 0) + 1
+        for host, count in counts.items():
+            await self._release(kv, self._host_key(tenant, job, host), count)

@@ -1,0 +1,135 @@
+"""One HTTP GET, one hop: timeouts, the egress-guarded connection pool, a capped body.
+
+Redirects are *not* followed here: the caller sees each 3xx and decides (so every hop is
+checked against robots.txt and politeness; the egress policy applies at connect time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpcore
+import httpx
+
+from services.fetcher.decoding import ACCEPT_ENCODING, BoundedDecoder, ContentDecodingError
+from services.fetcher.egress import EgressPolicy, GuardedNetworkBackend
+from services.fetcher.settings import FetcherSettings
+
+BodyWanted = Callable[[int, str | None], bool]
+"""Given (status, media type or None), whether to read the body at all."""
+
+
+class FetchError(Exception):
+    """No usable response: connect or read failure, timeout, protocol or decoding error."""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    """What one GET produced.
+
+    ``body`` is decoded (decompressed) and empty unless it was read; ``truncated`` says the
+    body went past the cap and only its first ``max_bytes`` bytes were kept.
+    ``media_type`` is the lower-cased ``Content-Type`` without parameters.
+    """
+
+    url: str
+    status: int
+    headers: httpx.Headers
+    content_type: str | None
+    media_type: str | None
+    body: bytes
+    truncated: bool
+    elapsed_s: float
+
+
+class GuardedTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport over a connection pool whose network backend is egress-guarded.
+
+    httpx does not take a network backend, so the pool it builds is replaced by one built
+    with :class:`~services.fetcher.egress.GuardedNetworkBackend` (same limits). Proxies and
+    ``*_PROXY`` environment variables are not used: a proxy would hide the real peer.
+    """
+
+    def __init__(self, backend: httpcore.AsyncNetworkBackend, limits: httpx.Limits) -> None:
+        super().__init__(limits=limits, trust_env=False)
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=httpx.create_ssl_context(trust_env=False),
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            network_backend=backend,
+        )
+
+
+def build_client(
+    settings: FetcherSettings, policy: EgressPolicy,
+    inner_backend: httpcore.AsyncNetworkBackend | None = None,
+) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` with the fetcher's timeouts, User-Agent and egress guard.
+
+    ``inner_backend`` replaces httpcore's socket backend below the guard (tests count
+    connection attempts with it).
+    """
+    limits = httpx.Limits(max_connections=settings.max_connections,
+                          max_keepalive_connections=settings.max_connections // 2)
+    timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
+    transport = GuardedTransport(GuardedNetworkBackend(policy, inner_backend), limits)
+    return httpx.AsyncClient(
+        transport=transport, timeout=timeout, follow_redirects=False, trust_env=False,
+        headers={"User-Agent": settings.user_agent, "Accept-Encoding": ACCEPT_ENCODING},
+    )
+
+
+def media_type_of(content_type: str | None) -> str | None:
+    """``text/html`` out of ``text/HTML; charset=utf-8``; None when absent or empty."""
+    if not content_type:
+        return None
+    return content_type.split(";", 1)[0].strip().lower() or None
+
+
+class Downloader:
+    """Performs single-hop GETs with a total deadline per request (``total_timeout_s``)."""
+
+    def __init__(self, client: httpx.AsyncClient, total_timeout_s: float) -> None:
+        self.client = client
+        self.total_timeout_s = total_timeout_s
+
+    async def get(self, url: str, *, max_bytes: int, wanted: BodyWanted) -> HttpResponse:
+        """GET ``url`` without following redirects; read the body if ``wanted`` says so.
+
+        The body is read as raw bytes and decoded by :class:`BoundedDecoder`, which stops
+        at ``max_bytes`` decoded bytes and closes the connection.
+
+        Raises:
+            FetchError: connection, timeout (connect, read or the total deadline of
+                ``total_timeout_s`` seconds), protocol or content-decoding failure.
+            services.fetcher.egress.EgressRefusedError: the host's address is refused.
+        """
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.total_timeout_s):
+                async with self.client.stream("GET", url) as response:
+                    content_type = response.headers.get("content-type")
+                    media_type = media_type_of(content_type)
+                    body, truncated = b"", False
+                    if wanted(response.status_code, media_type):
+                        decoder = BoundedDecoder(response.headers.get("content-encoding"), max_bytes)
+                        async for chunk in response.aiter_raw():
+                            decoder.feed(chunk)
+                            if decoder.truncated:
+                                break
+                        body, truncated = decoder.finish(), decoder.truncated
+        except TimeoutError:
+            raise FetchError(f"timed out after {self.total_timeout_s}s fetching {url}") from None
+        except httpx.TimeoutException as error:
+            raise FetchError(f"{type(error).__name__} fetching {url}: {error}") from None
+        except (httpx.HTTPError, httpx.InvalidURL, ContentDecodingError) as error:
+            raise FetchError(f"{type(error).__name__} fetching {url}: {error}") from None
+        return HttpResponse(
+            url=url, status=response.status_code, headers=response.headers,
+            content_type=content_type, media_type=media_type, body=body, truncated=truncated,
+            elapsed_s=time.perf_counter() - started,
+        )

@@ -1,0 +1,99 @@
+"""Fetcher settings, read from ``CRAWLMESH_FETCHER_*`` environment variables.
+
+They sit beside :class:`shared.settings.MeshSettings` (``CRAWLMESH_*``), which the fetcher
+also reads for the mesh-wide values (inline body limit, ``max_deliver``). Durations are
+seconds (``*_s``), sizes bytes (``*_bytes``). Lists and maps are JSON in the environment,
+e.g.::
+
+    CRAWLMESH_FETCHER_HOST_DELAYS='{"127.0.0.*": 0, "*.example.com": 2.5}'
+    CRAWLMESH_FETCHER_EGRESS_ALLOW='["127.0.0.0/8"]'
+    CRAWLMESH_FETCHER_RETRY_HTTP_CODES='[500, 502, 503]'
+"""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Network, IPv6Network
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.fetcher.retry import RETRY_HTTP_CODES
+
+HTML_CONTENT_TYPES: tuple[str, ...] = ("text/html", "application/xhtml+xml")
+"""Media types whose bodies are downloaded (others are reported without a body)."""
+
+
+class FetcherSettings(BaseSettings):
+    """HTTP, robots.txt, politeness and egress settings of the fetcher.
+
+    Raises:
+        pydantic.ValidationError: on an invalid value (e.g. a malformed CIDR in
+            ``egress_allow`` or a negative delay in ``host_delays``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="CRAWLMESH_FETCHER_", extra="ignore", frozen=True)
+
+    # HTTP
+    user_agent: str = Field(
+        "crawlmesh/0.1 (+https://github.com/crawlmesh/crawlmesh)",
+        description="User-Agent header; robots.txt groups are matched against it.",
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="DNS + TCP (+ TLS) connect timeout.")
+    read_timeout_s: float = Field(10.0, gt=0, description="Longest wait for any chunk of a response.")
+    total_timeout_s: float = Field(30.0, gt=0, description="Whole request of one hop, body included.")
+    max_redirects: int = Field(5, ge=0, description="Redirect hops followed (each one checked).")
+    max_body_bytes: int = Field(10 << 20, gt=0, description="Cap on a body, after decompression.")
+    html_content_types: tuple[str, ...] = HTML_CONTENT_TYPES
+    max_connections: int = Field(100, ge=1, description="Open connections of the HTTP pool.")
+    concurrency: int = Field(
+        128, ge=1,
+        description="Handlers at once (most wait for their host's turn); capped by max_ack_pending.",
+    )
+
+    # Retries (RETRY_HTTP_CODES is data, as in Scrapy's retry middleware)
+    retry_http_codes: frozenset[int] = frozenset(RETRY_HTTP_CODES)
+    http_retries: int = Field(2, ge=0, description="Retries of a retryable status or network error.")
+    retry_after_max_s: float = Field(300.0, ge=0, description="Ceiling on a honoured Retry-After.")
+
+    # Politeness
+    default_delay_s: float = Field(1.0, ge=0, description="Pause between two requests to one host.")
+    host_delays: dict[str, float] = Field(
+        default_factory=dict,
+        description="Glob on host or host:port -> delay (s); the first matching pattern wins.",
+    )
+    crawl_delay_max_s: float = Field(30.0, ge=0, description="Ceiling on a robots.txt Crawl-delay.")
+    queue_horizon_s: float = Field(
+        20.0, gt=0, description="Entries due later than this are re-published, not held.",
+    )
+    reschedule_hold_s: float = Field(
+        5.0, ge=0,
+        description="How long an entry re-published earlier, still not due, is held before "
+        "being re-published again (stops a far-future entry from circulating in a hot loop).",
+    )
+
+    # robots.txt (RFC 9309)
+    robots_ttl_s: float = Field(86400.0, gt=0, description="Cache life of a fetched robots.txt.")
+    robots_error_ttl_s: float = Field(
+        300.0, gt=0, description="Cache life of 'disallow all' after a 5xx or unreachable robots.txt.",
+    )
+    robots_max_bytes: int = Field(500 * 1024, gt=0, description="Parse cap (RFC 9309 §2.5).")
+    robots_max_redirects: int = Field(5, ge=0, description="Redirects of robots.txt followed.")
+    robots_cache_hosts: int = Field(10_000, ge=1, description="Origins kept in process memory.")
+
+    # Egress
+    egress_allow: tuple[IPv4Network | IPv6Network, ...] = Field(
+        (), description="CIDRs exempt from the egress policy (e.g. 127.0.0.0/8 for tests).",
+    )
+
+    @field_validator("host_delays")
+    @classmethod
+    def _non_negative(cls, delays: dict[str, float]) -> dict[str, float]:
+        for pattern, delay in delays.items():
+            if delay < 0:
+                raise ValueError(f"delay of {pattern!r} is negative: {delay}")
+        return {pattern.lower(): delay for pattern, delay in delays.items()}
+
+    @field_validator("html_content_types")
+    @classmethod
+    def _lower(cls, types: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(t.strip().lower() for t in types)

@@ -1,0 +1,166 @@
+"""The fetcher service loop against a real nats-server and a real loopback site.
+
+Frontier entries go in on ``mesh.frontier.<p>.<tenant>.<job>``; fetched pages come out on
+``FETCHED`` (nothing consumes them here); robots.txt lands in the ``robots`` KV bucket and
+a large body in the tenant's Object Store bucket. Waits are polls with deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from services.fetcher import main as fetcher_main
+from services.fetcher.handler import ROBOTS_DISALLOWS, FetcherHandler
+from services.fetcher.robots import RobotsRules, RobotsVerdict, origin_of, store_key
+from shared import streams, subjects
+from shared.bus.loop import ConsumeLoop
+from shared.codec import decode, decompress, encode
+from shared.contracts import FetchedPage, FrontierEntry, utc_now
+from shared.settings import MeshSettings
+from shared.subjects import Stage
+from shared.urls import canonical_url, fingerprint, host_of
+from tests.sites import Site, html
+
+
+@pytest.fixture
+def site() -> Iterator[Site]:
+    site = Site()
+    site.pages = {
+        "/robots.txt": (200, "text/plain", b"User-agent: *\nDisallow: /private\n"),
+        "/": (200, "text/html", html("home", "Home")),
+        "/big": (200, "text/html", html(os.urandom(20_000).hex(), "Big")),
+        "/private": (200, "text/html", html("secret")),
+    }
+    site.start()
+    yield site
+    site.stop()
+
+
+def frontier_entry(tenant: str, job: str, url: str, **fields: object) -> FrontierEntry:
+    canonical = canonical_url(url)
+    return FrontierEntry(tenant=tenant, job_id=job, url=canonical,
+                         fingerprint=fingerprint(canonical), host=host_of(canonical), depth=0,
+                         **fields)
+
+
+async def publish(js: JetStreamContext, entry: FrontierEntry) -> None:
+    subject = subjects.frontier(subjects.partition_of(entry.host), entry.tenant, entry.job_id)
+    msg_id = subjects.msg_id(Stage.DEDUP, entry.tenant, entry.job_id, entry.fingerprint,
+                             entry.generation)
+    await js.publish(subject, encode(entry), headers={"Nats-Msg-Id": msg_id})
+
+
+async def stream_messages(js: JetStreamContext, stream: str) -> list[bytes]:
+    state = (await js.stream_info(stream)).state
+    found = []
+    for seq in range(state.first_seq, state.last_seq + 1):
+        with contextlib.suppress(NotFoundError):
+            found.append((await js.get_msg(stream, seq)).data or b"")
+    return found
+
+
+async def wait_for_count(js: JetStreamContext, stream: str, count: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await js.stream_info(stream)).state.messages < count:
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {count} messages on {stream}")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def fetcher(nc: Client, settings: MeshSettings):
+    """The fetcher's loop as ``services.fetcher.main.setup`` wires it, run in a task."""
+    (spec,) = await fetcher_main.setup(nc, settings)
+    stop = asyncio.Event()
+    loop = ConsumeLoop(nc, spec.consumer, spec.model, spec.handler, settings, stop,
+                       concurrency=spec.concurrency)
+    task = asyncio.create_task(loop.run())
+    try:
+        yield spec.handler
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, settings.shutdown_grace_s + 5)
+        assert isinstance(spec.handler, FetcherHandler)
+        await spec.handler.aclose()
+
+
+async def test_fetcher_service_fetches_stores_and_refuses(
+    nc: Client, js: JetStreamContext, settings: MeshSettings, tenant: str, job: str,
+    site: Site, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRAWLMESH_FETCHER_EGRESS_ALLOW", '["127.0.0.0/8"]')
+    monkeypatch.setenv("CRAWLMESH_FETCHER_HOST_DELAYS", '{"127.0.0.*": 0}')
+    mesh = settings.model_copy(update={"body_inline_max_bytes": 4096})
+    home, big, private = (frontier_entry(tenant, job, site.url(p)) for p in ("/", "/big", "/private"))
+    async with fetcher(nc, mesh):
+        for entry in (home, big, private):
+            await publish(js, entry)
+        await wait_for_count(js, streams.FETCHED.name, 3)
+
+    pages = {p.url: p for p in (decode(d, FetchedPage) for d in
+                                await stream_messages(js, streams.FETCHED.name))}
+    assert pages[home.url].status == 200
+    assert b"home" in decompress(pages[home.url].body, pages[home.url].body_encoding)
+    assert pages[private.url].error == f"{ROBOTS_DISALLOWS} {private.url}"
+    assert "/private" not in site.requests
+    assert site.requests.count("/robots.txt") == 1
+
+    ref = pages[big.url].body_ref
+    assert ref is not None and ref.bucket == streams.bodies_bucket(tenant)
+    stored = await (await js.object_store(ref.bucket)).get(ref.name)
+    assert decompress(stored.data or b"", "zlib") == site.pages["/big"][2]
+
+    kv = await js.key_value(streams.ROBOTS_BUCKET)
+    record = await kv.get(store_key(origin_of(site.base)))
+    assert RobotsRules.from_bytes(record.value or b"").verdict is RobotsVerdict.RULES
+
+
+async def test_loopback_refused_by_default(
+    nc: Client, js: JetStreamContext, settings: MeshSettings, tenant: str, job: str, site: Site,
+) -> None:
+    entry = frontier_entry(tenant, job, site.url("/"))
+    async with fetcher(nc, settings):
+        await publish(js, entry)
+        await wait_for_count(js, streams.FETCHED.name, 1)
+    (data,) = await stream_messages(js, streams.FETCHED.name)
+    assert decode(data, FetchedPage).error == f"egress policy refuses 127.0.0.1 for {entry.url}"
+    assert site.requests == []
+
+
+async def test_busy_host_entry_is_republished_with_a_new_generation(
+    nc: Client, js: JetStreamContext, settings: MeshSettings, tenant: str, job: str,
+    site: Site, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CRAWLMESH_FETCHER_EGRESS_ALLOW", '["127.0.0.0/8"]')
+    monkeypatch.setenv("CRAWLMESH_FETCHER_QUEUE_HORIZON_S", "0.5")
+    monkeypatch.setenv("CRAWLMESH_FETCHER_DEFAULT_DELAY_S", "0")
+    entry = frontier_entry(tenant, job, site.url("/"))
+    async with fetcher(nc, settings) as handler:
+        assert isinstance(handler, FetcherHandler)
+        handler.politeness.pause(entry.host, 1.5)  # the host is busy for 1.5 s
+        started = utc_now()
+        await publish(js, entry)
+        await wait_for_count(js, streams.FETCHED.name, 1)
+    (data,) = await stream_messages(js, streams.FETCHED.name)
+    page = decode(data, FetchedPage)
+    assert page.status == 200 and page.fetched_at - started >= timedelta(seconds=1.4)
+    # The entry went back to FRONTIER once (generation 1, acked, not nak'ed) ...
+    frontier = (await js.stream_info(streams.FRONTIER.name)).state
+    assert frontier.last_seq == 2 and frontier.messages == 0
+    info = await js.consumer_info(streams.FETCHER.stream, streams.FETCHER.durable)
+    assert info.num_redelivered == 0 and info.num_ack_pending == 0
+    # ... and the page was fetched from that generation.
+    last_seq = (await js.stream_info(streams.FETCHED.name)).state.last_seq
+    fetched = await js.get_msg(streams.FETCHED.name, last_seq)
+    assert (fetched.headers or {}).get("Nats-Msg-Id") == subjects.msg_id(
+        Stage.FETCHER, tenant, job, entry.fingerprint, 1)

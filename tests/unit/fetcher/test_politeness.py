@@ -1,0 +1,140 @@
+"""Politeness: one request at a time per host, delays between requests, re-publishing
+entries whose turn is beyond the horizon (never holding them, never nak'ing them)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler
+
+from services.fetcher.handler import FRONTIER_ID_STAGE
+from services.fetcher.politeness import HostPoliteness
+from shared import subjects
+from shared.contracts import FetchedPage, FrontierEntry, utc_now
+from tests.sites import Site
+from tests.unit.fetcher.conftest import JOB, TENANT, MakeHandler, Stamps, delivery, entry, respond
+
+
+def test_delay_for_default_globs_and_crawl_delay() -> None:
+    polite = HostPoliteness(1.0, {"127.0.0.*": 0.0, "*.example.com:8080": 3.0, "*.example.com": 2.0},
+                            crawl_delay_max_s=10.0)
+    assert polite.delay_for("other.org") == 1.0
+    assert polite.delay_for("127.0.0.1:5000") == 0.0  # matched on the bare host
+    assert polite.delay_for("www.example.com:8080") == 3.0  # first matching pattern wins
+    assert polite.delay_for("www.example.com") == 2.0
+    assert polite.delay_for("127.0.0.1:5000", crawl_delay_s=4.0) == 4.0
+    assert polite.delay_for("other.org", crawl_delay_s=60.0) == 10.0  # the ceiling
+    assert polite.delay_for("www.example.com", crawl_delay_s=0.5) == 2.0  # never below ours
+
+
+async def test_default_delay_spaces_requests_and_override_removes_it(
+    site: Site, make_handler: MakeHandler
+) -> None:
+    stamps = Stamps()
+    site.routes.update({"/a": stamps, "/b": stamps, "/c": stamps})
+    slow = make_handler(default_delay_s=0.3)
+    await asyncio.gather(*(slow.handle(entry(site.url(p)), delivery()) for p in ("/a", "/b", "/c")))
+    assert len(stamps.times) == 3 and min(stamps.gaps()) >= 0.28
+
+    stamps.times.clear()
+    fast = make_handler(default_delay_s=5.0, host_delays={"127.0.0.*": 0})
+    started = time.monotonic()
+    await asyncio.gather(*(fast.handle(entry(site.url(p)), delivery()) for p in ("/a", "/b", "/c")))
+    assert len(stamps.times) == 3 and time.monotonic() - started < 1.0
+
+
+async def test_one_request_in_flight_per_host(site: Site, make_handler: MakeHandler) -> None:
+    lock = threading.Lock()
+    state = {"now": 0, "most": 0}
+
+    def slow(req: BaseHTTPRequestHandler) -> None:
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.1)
+        with lock:
+            state["now"] -= 1
+        respond(req, 200, b"<html>slow</html>")
+
+    paths = [f"/s{n}" for n in range(4)]
+    site.routes.update(dict.fromkeys(paths, slow))
+    handler = make_handler()
+    outputs = await asyncio.gather(*(handler.handle(entry(site.url(p)), delivery()) for p in paths))
+    assert all(out[0].message.status == 200 for out in outputs)
+    assert state["most"] == 1
+
+
+async def test_entry_beyond_the_horizon_is_republished_for_later(
+    site: Site, make_handler: MakeHandler
+) -> None:
+    site.pages = {"/a": (200, "text/html", b"<html>a</html>")}
+    handler = make_handler(default_delay_s=0.5, queue_horizon_s=2.0)
+    first = entry(site.url("/a"))
+    handler.politeness.pause(first.host, 5.0)  # e.g. a Retry-After: the host is busy for 5 s
+    before = utc_now()
+    (out,) = await handler.handle(first, delivery())
+    later = out.message
+    assert isinstance(later, FrontierEntry)
+    assert out.subject == subjects.frontier(subjects.partition_of(first.host), TENANT, JOB)
+    assert out.msg_id == subjects.msg_id(FRONTIER_ID_STAGE, TENANT, JOB, first.fingerprint, 1)
+    assert later.generation == 1 and later.url == first.url
+    assert later.not_before is not None
+    assert timedelta(seconds=4.5) < later.not_before - before < timedelta(seconds=6)
+    assert site.requests == ["/robots.txt"]  # the page itself was not requested
+
+    second = entry(site.url("/b"))  # booked after the first one, not on top of it
+    (out2,) = await handler.handle(second, delivery())
+    assert out2.message.not_before - later.not_before >= timedelta(seconds=0.45)
+
+
+async def test_entry_due_within_the_horizon_waits(site: Site, make_handler: MakeHandler) -> None:
+    stamps = Stamps()
+    site.routes["/a"] = stamps
+    handler = make_handler(queue_horizon_s=2.0)
+    due = utc_now() + timedelta(seconds=0.4)
+    started = time.monotonic()
+    (out,) = await handler.handle(entry(site.url("/a"), generation=1, not_before=due), delivery())
+    assert isinstance(out.message, FetchedPage) and out.message.status == 200
+    assert stamps.times[0] - started >= 0.38
+    assert out.msg_id == subjects.msg_id("fetcher", TENANT, JOB, out.message.fingerprint, 1)
+
+
+async def test_far_future_entry_is_held_briefly_then_republished(
+    site: Site, make_handler: MakeHandler
+) -> None:
+    handler = make_handler(queue_horizon_s=1.0, reschedule_hold_s=0.2)
+    due = utc_now() + timedelta(seconds=30)
+    started = time.monotonic()
+    (out,) = await handler.handle(entry(site.url("/a"), generation=3, not_before=due), delivery())
+    assert 0.18 <= time.monotonic() - started < 1.0  # held, so it does not circulate hot
+    assert isinstance(out.message, FrontierEntry)
+    assert out.message.generation == 4 and out.message.not_before == due
+    assert "/a" not in site.requests
+
+
+async def test_far_future_entry_that_becomes_due_while_held_is_fetched(
+    site: Site, make_handler: MakeHandler
+) -> None:
+    site.pages = {"/a": (200, "text/html", b"<html>a</html>")}
+    handler = make_handler(queue_horizon_s=0.3, reschedule_hold_s=1.0)
+    due = utc_now() + timedelta(seconds=0.6)
+    (out,) = await handler.handle(entry(site.url("/a"), generation=1, not_before=due), delivery())
+    assert isinstance(out.message, FetchedPage) and out.message.status == 200
+
+
+async def test_turn_is_fifo_and_pause_delays_it() -> None:
+    polite = HostPoliteness(0.0, {}, 10.0)
+    order: list[int] = []
+
+    async def take(n: int) -> None:
+        async with polite.turn("h", 0.05):
+            order.append(n)
+
+    polite.pause("h", 0.2)
+    assert polite.queue_wait_s("h", 0.05) > 0.15
+    started = time.monotonic()
+    await asyncio.gather(*(take(n) for n in range(4)))
+    assert order == [0, 1, 2, 3]
+    assert time.monotonic() - started >= 0.2 + 3 * 0.05 - 0.02
