@@ -18,6 +18,9 @@ from services.fetcher.decoding import ACCEPT_ENCODING, BoundedDecoder, ContentDe
 from services.fetcher.egress import EgressPolicy, GuardedNetworkBackend
 from services.fetcher.settings import FetcherSettings
 
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+"""Statuses whose ``Location`` the fetcher follows (by hand, one hop at a time)."""
+
 BodyWanted = Callable[[int, str | None], bool]
 """Given (status, media type or None), whether to read the body at all."""
 

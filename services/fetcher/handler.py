@@ -13,20 +13,26 @@ Retryable statuses and network errors raise :class:`TransientError` while
 ``delivery.delivered <= http_retries``; after that they are reported too. Refusals carry
 ``status`` 0 and an ``error`` starting with :data:`ROBOTS_DISALLOWS` or
 :data:`EGRESS_REFUSES`. Only HTML-ish bodies are downloaded; they travel zlib-compressed,
-inline or, above ``body_inline_max_bytes``, through a :class:`BodyStore` (an empty body
-travels as ``b""`` with ``body_encoding`` ``identity``).
+inline or, above ``body_inline_max_bytes``, through a :class:`BodyStore`
+(:mod:`~services.fetcher.bodies`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timedelta
-from typing import Protocol
 from urllib.parse import urljoin
 
 import httpcore
 
-from services.fetcher.downloader import Downloader, FetchError, HttpResponse, build_client
+from services.fetcher.bodies import BodyStore, pack_body
+from services.fetcher.downloader import (
+    REDIRECT_STATUSES,
+    Downloader,
+    FetchError,
+    HttpResponse,
+    build_client,
+)
 from services.fetcher.egress import EgressPolicy, EgressRefusedError
 from services.fetcher.politeness import HostPoliteness
 from services.fetcher.retry import retry_after_s
@@ -35,9 +41,7 @@ from services.fetcher.settings import FetcherSettings
 from shared import subjects
 from shared.bus.loop import Delivery, Outbound
 from shared.bus.outcomes import TransientError
-from shared.codec import compress
-from shared.contracts import BodyRef, FetchedPage, FrontierEntry, utc_now
-from shared.streams import bodies_bucket
+from shared.contracts import FetchedPage, FrontierEntry, utc_now
 from shared.subjects import Stage
 from shared.urls import UrlError, canonical_url, host_of
 
@@ -47,22 +51,8 @@ ROBOTS_DISALLOWS = "robots.txt disallows"
 EGRESS_REFUSES = "egress policy refuses"
 """Prefix of the error of a URL whose address the egress policy refuses."""
 
-REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
-
 FRONTIER_ID_STAGE = "frontier"
 """Stage token of the ids of re-published frontier entries (``frontier:t:j:fp:gen``)."""
-
-
-class BodyStore(Protocol):
-    """Where large bodies go (the tenant's Object Store bucket in production)."""
-
-    async def put(self, bucket: str, name: str, data: bytes) -> None:
-        """Store ``data`` under ``name``, replacing any object of that name.
-
-        Raises:
-            Exception: any failure; the handler turns it into a retry.
-        """
-        ...
 
 
 class _Refused(Exception):
@@ -257,26 +247,19 @@ class FetcherHandler:
     async def _page_out(self, entry: FrontierEntry, final_url: str, *, status: int = 0,
                         content_type: str | None = None, body: bytes = b"",
                         error: str | None = None, elapsed_s: float = 0.0) -> Outbound:
-        """The :class:`FetchedPage` to publish; a large body goes to the body store.
+        """The :class:`FetchedPage` to publish (see :func:`pack_body`).
 
         Raises:
             TransientError: the body store failed.
         """
-        packed = compress(body) if body else b""  # no body: nothing to inflate either
-        body_ref = None
-        if len(packed) > self.body_inline_max_bytes:
-            bucket, name = bodies_bucket(entry.tenant), f"{entry.job_id}/{entry.fingerprint}"
-            try:
-                await self.bodies.put(bucket, name, packed)
-            except Exception as failure:
-                raise TransientError(f"storing body {bucket}/{name}: {failure!r}") from None
-            body_ref, packed = BodyRef(bucket=bucket, name=name, stored_bytes=len(packed)), b""
+        packed = await pack_body(body, tenant=entry.tenant, job=entry.job_id,
+                                 fingerprint=entry.fingerprint, store=self.bodies,
+                                 inline_max_bytes=self.body_inline_max_bytes)
         page = FetchedPage(
             tenant=entry.tenant, job_id=entry.job_id, url=entry.url, final_url=final_url,
             fingerprint=entry.fingerprint, depth=entry.depth, status=status,
             content_type=content_type, elapsed_ms=elapsed_s * 1000, body_bytes=len(body),
-            body_encoding="zlib" if body else "identity", body=packed, body_ref=body_ref,
-            error=error,
+            body_encoding=packed.encoding, body=packed.inline, body_ref=packed.ref, error=error,
         )
         return Outbound(
             subjects.fetched(entry.tenant, entry.job_id), page,

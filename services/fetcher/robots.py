@@ -38,13 +38,12 @@ from urllib.parse import urljoin, urlsplit
 import orjson
 from protego import Protego
 
-from services.fetcher.downloader import Downloader, FetchError
+from services.fetcher.downloader import REDIRECT_STATUSES, Downloader, FetchError
 from services.fetcher.egress import EgressRefusedError
 from services.fetcher.settings import FetcherSettings
 
 log = logging.getLogger(__name__)
 
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _KEY_SAFE = re.compile(r"^[-_=.a-zA-Z0-9]+$")
 
 
@@ -216,7 +215,7 @@ class RobotsCache:
                                    note=f"robots.txt unreachable: {error}")
             status = response.status
             location = response.headers.get("location")
-            if status in _REDIRECTS and location:
+            if status in REDIRECT_STATUSES and location:
                 url = urljoin(url, location)
                 if urlsplit(url).scheme not in ("http", "https"):
                     return self._rules(RobotsVerdict.ALLOW_ALL, status, note=f"redirect to {url}")
