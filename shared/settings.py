@@ -1,10 +1,11 @@
 """Mesh-wide settings, read from ``CRAWLMESH_*`` environment variables.
 
 Every service reads :class:`MeshSettings`; a service with settings of its own keeps them in
-``services/<name>/settings.py`` under its own prefix (``CRAWLMESH_FETCHER_*``, ...). Durations are seconds (``*_s``), sizes are bytes
-(``*_bytes``). Nothing here is hard-coded elsewhere: stream replicas, limits, retention,
-duplicate windows and consumer retry schedules all come from these fields, so moving to a
-three-node cluster is ``CRAWLMESH_REPLICAS=3``.
+``services/<name>/settings.py`` under its own prefix (``CRAWLMESH_FETCHER_*``, ...).
+Durations are seconds (``*_s``), sizes are bytes (``*_bytes``). Nothing here is hard-coded
+elsewhere: stream replicas, limits, retention, duplicate windows and consumer retry
+schedules all come from these fields, so moving to a three-node cluster is
+``CRAWLMESH_REPLICAS=3``.
 """
 
 from __future__ import annotations

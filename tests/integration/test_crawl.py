@@ -20,7 +20,7 @@ from shared.cli.jobs import export_results, submit, wait_for_job
 from shared.contracts import CrawlRequest, JobEventKind
 from shared.tenancy import DEFAULT_TENANT, TenantRegistry
 from tests.integration.meshproc import MeshProcess
-from tests.sites import Site, html
+from tests.sites import Site, html, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -148,8 +148,9 @@ def test_crawl_survives_sigkill_of_dedup_and_sink(tmp_path: Path) -> None:
                                          max_depth=100))
         # Kill dedup and sink mid-crawl, twice each, once a few pages are fetched.
         for _ in range(2):
-            while len(site.requests) < 20 + 40 * len(killed) // 2 and not task.done():
-                await asyncio.sleep(0.05)
+            target = 20 + 40 * len(killed) // 2
+            await asyncio.to_thread(wait_for, lambda t=target: len(site.requests) >= t or task.done(),
+                                    60, f"{target} requests")
             assert not task.done(), "the crawl finished before the kills"
             killed.append(await asyncio.to_thread(mesh.kill_service, "dedup"))
             killed.append(await asyncio.to_thread(mesh.kill_service, "sink"))
