@@ -95,16 +95,12 @@ def js(nc: Client) -> JetStreamContext:
 
 
 def settings_env(settings: MeshSettings) -> dict[str, str]:
-    """``CRAWLMESH_*`` variables that make a child process read ``settings``.
-
-    ``backoff_s`` is given as a JSON list: pydantic-settings JSON-decodes tuple fields from
-    the environment before the model's own "1,1,1" parser runs.
-    """
+    """``CRAWLMESH_*`` variables that make a child process read ``settings``."""
     env = {
         f"CRAWLMESH_{name.upper()}": str(value)
         for name, value in settings.model_dump(exclude={"backoff_s", "nats_creds"}).items()
     }
-    env["CRAWLMESH_BACKOFF_S"] = "[" + ",".join(str(d) for d in settings.backoff_s) + "]"
+    env["CRAWLMESH_BACKOFF_S"] = ",".join(str(d) for d in settings.backoff_s)
     if settings.nats_creds is not None:
         env["CRAWLMESH_NATS_CREDS"] = str(settings.nats_creds)
     return env
