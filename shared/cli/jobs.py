@@ -196,7 +196,7 @@ def crawl(
     embedded: bool = typer.Option(True, help="Start the embedded mesh if none is running."),
 ) -> None:
     """Submit a crawl of SEEDS (prints the job id); with --wait, follow it to completion."""
-    from shared.cli.mesh import ensure_mesh_running
+    from shared.cli.mesh import ensure_mesh_running, mesh_available
 
     try:
         request = CrawlRequest(seeds=tuple(seeds), max_pages=max_pages, max_depth=max_depth,
@@ -205,6 +205,10 @@ def crawl(
         console.print(f"[red]invalid crawl request:[/] {error}")
         raise typer.Exit(2) from None
     settings = MeshSettings()
+    if not (wait or output) and embedded and not mesh_available(settings):
+        console.print("no mesh is running: the embedded one started now lives as long as this "
+                      "command, so it waits for the job (use `crawlmesh up` to keep one running)")
+        wait = True
     with ensure_mesh_running(settings, allowed=embedded) as active:
         try:
             status = asyncio.run(run_crawl(active, tenant, request, wait or bool(output), output))

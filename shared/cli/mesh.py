@@ -109,6 +109,11 @@ def _reachable(url: str) -> bool:
         return False
 
 
+def mesh_available(settings: MeshSettings) -> bool:
+    """True if `crawlmesh up` runs from ``settings.home`` or NATS answers at its URL."""
+    return running_mesh(settings.home) is not None or _reachable(settings.nats_url)
+
+
 @contextlib.contextmanager
 def ensure_mesh_running(settings: MeshSettings, allowed: bool = True) -> Iterator[MeshSettings]:
     """Yield settings pointing at a running mesh, starting an embedded one if needed.
