@@ -81,10 +81,16 @@ class KvAdmission:
                 admitted.append(cand)
         if not undecided:
             return admitted
-        granted = await self._reserve(kv, f"{tenant}.{job}._budget", len(undecided), max_pages)
-        wanted = undecided[:granted]
+        # Host caps first, then the job's budget: a cut by the budget before the host caps
+        # would spend it on links that a host cap then refuses, starving the other hosts.
+        wanted = undecided
         if max_pages_per_host > 0:
             wanted = await self._reserve_hosts(kv, tenant, job, wanted, max_pages_per_host)
+        granted = await self._reserve(kv, f"{tenant}.{job}._budget", len(wanted), max_pages) \
+            if wanted else 0
+        if max_pages_per_host > 0 and granted < len(wanted):
+            await self._release_hosts(kv, tenant, job, wanted[granted:])
+        wanted = wanted[:granted]
         chosen = {c.fingerprint for c in wanted}
         fresh: set[str] = set()
         for cand in undecided:
@@ -162,15 +168,11 @@ class KvAdmission:
         by_host: dict[str, list[Candidate]] = {}
         for cand in wanted:
             by_host.setdefault(cand.host, []).append(cand)
-        kept: list[Candidate] = []
-        released = 0
+        kept: set[str] = set()
         for host, group in by_host.items():
             grant = await self._reserve(kv, self._host_key(tenant, job, host), len(group), limit)
-            kept.extend(group[:grant])
-            released += len(group) - grant
-        if released:
-            await self._release(kv, f"{tenant}.{job}._budget", released)
-        return kept
+            kept.update(c.fingerprint for c in group[:grant])
+        return [c for c in wanted if c.fingerprint in kept]
 
     async def _release_hosts(  # type: ignore[no-untyped-def]
         self, kv, tenant: str, job: str, unused: list[Candidate]

@@ -39,10 +39,10 @@ from shared.contracts import (
     ScopeMode,
     SeedReply,
 )
+from shared.asyncapi import asyncapi
 from shared.schemas import (
     ENVELOPE_CONTENT_TYPE,
     FIX_COMMAND,
-    asyncapi,
     check_proto,
     json_schemas,
     render_proto,
