@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from shared import subjects
+from shared.asyncapi import asyncapi
 from shared.codec import MAGIC, DecodeError, compress, decode, encode
 from shared.contracts import (
     MESSAGES,
@@ -39,7 +40,6 @@ from shared.contracts import (
     ScopeMode,
     SeedReply,
 )
-from shared.asyncapi import asyncapi
 from shared.schemas import (
     ENVELOPE_CONTENT_TYPE,
     FIX_COMMAND,
