@@ -15,6 +15,7 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shared import subjects
@@ -202,7 +203,7 @@ def crawl(
         request = CrawlRequest(seeds=tuple(seeds), max_pages=max_pages, max_depth=max_depth,
                                max_pages_per_host=max_pages_per_host, scope=Scope(mode=scope))
     except ValueError as error:
-        console.print(f"[red]invalid crawl request:[/] {error}")
+        console.print(f"[red]invalid crawl request:[/] {escape(str(error))}")
         raise typer.Exit(2) from None
     settings = MeshSettings()
     if not (wait or output) and embedded and not mesh_available(settings):
@@ -213,7 +214,7 @@ def crawl(
         try:
             status = asyncio.run(run_crawl(active, tenant, request, wait or bool(output), output))
         except CrawlError as error:
-            console.print(f"[red]{error}[/]")
+            console.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(1) from None
     raise typer.Exit(status)
 
@@ -246,7 +247,7 @@ def status(
     try:
         asyncio.run(show())
     except (CrawlError, JobNotFoundError) as error:
-        console.print(f"[red]{error}[/]")
+        console.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(1) from None
 
 
@@ -276,7 +277,7 @@ def cancel(
     try:
         changed = asyncio.run(run())
     except (CrawlError, JobNotFoundError) as error:
-        console.print(f"[red]{error}[/]")
+        console.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(1) from None
     console.print(f"job {job} cancelled" if changed else f"job {job} was not running")
 
@@ -301,6 +302,6 @@ def results(
     try:
         count = asyncio.run(run())
     except CrawlError as error:
-        console.print(f"[red]{error}[/]")
+        console.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(1) from None
     console.print(f"{count} results")

@@ -196,6 +196,23 @@ async def test_a_host_cap_does_not_waste_the_page_budget(
     assert await counter(js, f"{tenant}.{job}._budget") == 3
     assert await counter(js, KvAdmission._host_key(tenant, job, "a.test")) == 2
     assert await counter(js, KvAdmission._host_key(tenant, job, "b.test")) == 1
+    # With the page budget spent, a new host's reservation is given back.
+    more = cands("c.test", "/1")
+    assert await KvAdmission(js).admit(tenant, job, more, cause(tenant, job, "q"), 3, 2) == []
+    assert await counter(js, KvAdmission._host_key(tenant, job, "c.test")) == 0
+    assert await counter(js, f"{tenant}.{job}._budget") == 3
+
+
+async def test_redelivery_readmits_with_the_host_cap_full(
+    js: JetStreamContext, tenant: str, job: str
+) -> None:
+    links = cands("a.test", "/1", "/2", "/3")
+    cause_a = cause(tenant, job, "a")
+    admitted = await KvAdmission(js).admit(tenant, job, links, cause_a, UNLIMITED, 2)
+    assert admitted == links[:2]
+    assert await KvAdmission(js).admit(tenant, job, links, cause_a, UNLIMITED, 2) == admitted
+    assert await counter(js, KvAdmission._host_key(tenant, job, "a.test")) == 2
+    assert await counter(js, f"{tenant}.{job}._budget") == 2
 
 
 async def test_the_decision_cache_answers_without_the_kv(
