@@ -10,8 +10,10 @@ from nats.js.errors import KeyNotFoundError
 
 from services.fetcher.handler import FetcherHandler
 from services.fetcher.settings import FetcherSettings
+from shared.bus.loop import Delivery, Outbound
 from shared.bus.service import LoopSpec
-from shared.contracts import FrontierEntry
+from shared.contracts import FrontierEntry, JobState
+from shared.jobs import JobStore
 from shared.settings import MeshSettings
 from shared.streams import FETCHER, ROBOTS_BUCKET
 
@@ -65,4 +67,21 @@ async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
         body_inline_max_bytes=settings.body_inline_max_bytes, http_retries=http_retries,
     )
     concurrency = min(fetcher.concurrency, settings.max_ack_pending)
-    return [LoopSpec(FETCHER, FrontierEntry, handler, concurrency=concurrency)]
+    guarded = RunningJobsOnly(handler, JobStore(js))
+    return [LoopSpec(FETCHER, FrontierEntry, guarded, concurrency=concurrency)]
+
+
+class RunningJobsOnly:
+    """Drops (acks without fetching) frontier entries of jobs that are no longer running:
+    a cancelled job fetches nothing more (its state is read at most 2 s old)."""
+
+    def __init__(self, handler: FetcherHandler, jobs: JobStore) -> None:
+        self.handler = handler
+        self.jobs = jobs
+
+    async def handle(self, message: FrontierEntry, delivery: Delivery) -> list[Outbound]:
+        record = await self.jobs.cached(message.tenant, message.job_id)
+        if record is None or record.state is not JobState.RUNNING:
+            log.info("dropping %s: job %s is not running", message.url, message.job_id)
+            return []
+        return await self.handler.handle(message, delivery)

@@ -47,7 +47,12 @@ class PageStates(Protocol):
     async def get(self, tenant: str, job: str, fingerprint: str) -> PageRecord | None: ...
 
     async def set(self, tenant: str, job: str, fingerprint: str, record: PageRecord,
-                  to: PageState) -> bool: ...
+                  to: PageState, finished_by: str = "") -> bool: ...
+
+
+def source_of(delivery: Delivery) -> str:
+    """``<subject>#<stream sequence>``: the identity of an input message."""
+    return f"{delivery.subject}#{delivery.stream_seq}"
 
 
 def outcome_of(page: ParsedPage) -> Outcome:
@@ -86,8 +91,14 @@ class PageLedger:
         self.completion = completion
 
     async def apply(self, tenant: str, job: str, fingerprint: str, event: PageEvent,
-                    result: PageResult | None = None) -> None:
-        """Advance one page by ``event``; deliver ``result`` first if not yet delivered."""
+                    result: PageResult | None = None, source: str = "") -> None:
+        """Advance one page by ``event``; deliver ``result`` first if not yet delivered.
+
+        ``source`` identifies the input message (``<subject>#<stream sequence>``); the one
+        that finishes the page is recorded, so only its redelivery republishes the page's
+        ledger entries.
+        """
+        finisher = f"{event}@{source}"
         for _ in range(50):
             record = await self.pages.get(tenant, job, fingerprint)
             if record is None:
@@ -100,10 +111,11 @@ class PageLedger:
                 )
             to = advance(record.state, event)
             if to is None:
-                if record.state is PageState.FINISHED:
+                if record.state is PageState.FINISHED and record.finished_by == finisher:
                     await self._finished(tenant, job, fingerprint, event)  # redelivery
                 return
-            if not await self.pages.set(tenant, job, fingerprint, record, to):
+            by = finisher if to is PageState.FINISHED else ""
+            if not await self.pages.set(tenant, job, fingerprint, record, to, by):
                 continue
             if to is PageState.FINISHED:
                 await self._finished(tenant, job, fingerprint, event)
@@ -143,7 +155,7 @@ class ResultHandler:
         if not await self.ledger.completion.running(message.tenant, message.job_id):
             return []
         await self.ledger.apply(message.tenant, message.job_id, message.fingerprint,
-                                PageEvent.RESULT, result_of(message))
+                                PageEvent.RESULT, result_of(message), source_of(delivery))
         return []
 
 
@@ -160,7 +172,7 @@ class ExpansionHandler:
             await self.ledger.seeded(message.tenant, message.job_id)
         else:
             await self.ledger.apply(message.tenant, message.job_id, message.fingerprint,
-                                    PageEvent.EXPANDED)
+                                    PageEvent.EXPANDED, source=source_of(delivery))
         return []
 
 
@@ -187,7 +199,8 @@ class DeadLetterHandler:
                     outcome=Outcome.FAILED, depth=page.depth,
                     error=f"dead-lettered by {message.stage}: {message.reason}",
                 )
-                await self.ledger.apply(tenant, job, page.fingerprint, PageEvent.FAILED, result)
+                await self.ledger.apply(tenant, job, page.fingerprint, PageEvent.FAILED, result,
+                                        source_of(delivery))
             elif message.stream in ("LINKS", "EXPANDED"):
                 model = DiscoveredLinks if message.stream == "LINKS" else PageExpanded
                 links = decode(message.original, model)
@@ -196,7 +209,8 @@ class DeadLetterHandler:
                 if source is None:
                     await self.ledger.seeded(tenant, job)
                 else:
-                    await self.ledger.apply(tenant, job, source, PageEvent.EXPANDED)
+                    await self.ledger.apply(tenant, job, source, PageEvent.EXPANDED,
+                                            source=source_of(delivery))
             else:
                 log.warning("dead letter %s from %s: no page to fail", message.id, message.stream)
         except DecodeError as error:

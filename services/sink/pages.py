@@ -63,6 +63,9 @@ class PageRecord:
     state: PageState
     cause: str
     revision: int
+    finished_by: str = ""
+    """``<event>@<input message>`` that finished the page: only a redelivery of that same
+    message republishes the page's ledger entries (a late duplicate must not count twice)."""
 
 
 class KvPageStates:
@@ -77,15 +80,19 @@ class KvPageStates:
             entry = await kv.get(f"{tenant}.{job}.{fingerprint}")
         except KeyNotFoundError:
             return None
-        state, _, cause = (entry.value or b"").decode().partition(" ")
-        return PageRecord(PageState(state), cause, entry.revision or 0)
+        state, cause, by = [*(entry.value or b"").decode().split(" ", 2), "", ""][:3]
+        return PageRecord(PageState(state), cause, entry.revision or 0, by)
 
     async def set(self, tenant: str, job: str, fingerprint: str, record: PageRecord,
-                  to: PageState) -> bool:
-        """Compare-and-set from ``record`` to ``to``; False if someone changed it first."""
+                  to: PageState, finished_by: str = "") -> bool:
+        """Compare-and-set from ``record`` to ``to``; False if someone changed it first.
+
+        The value is ``<state> <cause>[ <finished_by>]`` (no spaces inside the parts).
+        """
         kv = await self.js.key_value(PAGES_BUCKET)
+        value = f"{to} {record.cause}" + (f" {finished_by}" if finished_by else "")
         try:
-            await kv.update(f"{tenant}.{job}.{fingerprint}", f"{to} {record.cause}".encode(),
+            await kv.update(f"{tenant}.{job}.{fingerprint}", value.encode(),
                             last=record.revision)
         except KeyWrongLastSequenceError:
             return False

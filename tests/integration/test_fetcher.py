@@ -25,7 +25,8 @@ from services.fetcher.robots import RobotsRules, RobotsVerdict, origin_of, store
 from shared import streams, subjects
 from shared.bus.loop import ConsumeLoop
 from shared.codec import decode, decompress, encode
-from shared.contracts import FetchedPage, FrontierEntry, utc_now
+from shared.contracts import CrawlRequest, FetchedPage, FrontierEntry, JobRecord, utc_now
+from shared.jobs import JobStore
 from shared.settings import MeshSettings
 from shared.subjects import Stage
 from shared.urls import canonical_url, fingerprint, host_of
@@ -78,20 +79,24 @@ async def wait_for_count(js: JetStreamContext, stream: str, count: int, timeout_
 
 
 @contextlib.asynccontextmanager
-async def fetcher(nc: Client, settings: MeshSettings):
-    """The fetcher's loop as ``services.fetcher.main.setup`` wires it, run in a task."""
+async def fetcher(nc: Client, settings: MeshSettings, tenant: str, job: str):
+    """The fetcher's loop as ``services.fetcher.main.setup`` wires it, run in a task, for a
+    running job (the fetcher drops entries of jobs that are not running)."""
+    await JobStore(nc.jetstream()).create(
+        JobRecord(tenant=tenant, job_id=job, request=CrawlRequest(seeds=("http://127.0.0.1/",))))
     (spec,) = await fetcher_main.setup(nc, settings)
     stop = asyncio.Event()
     loop = ConsumeLoop(nc, spec.consumer, spec.model, spec.handler, settings, stop,
                        concurrency=spec.concurrency)
     task = asyncio.create_task(loop.run())
     try:
-        yield spec.handler
+        assert isinstance(spec.handler, fetcher_main.RunningJobsOnly)
+        yield spec.handler.handler
     finally:
         stop.set()
         await asyncio.wait_for(task, settings.shutdown_grace_s + 5)
-        assert isinstance(spec.handler, FetcherHandler)
-        await spec.handler.aclose()
+        assert isinstance(spec.handler.handler, FetcherHandler)
+        await spec.handler.handler.aclose()
 
 
 async def test_fetcher_service_fetches_stores_and_refuses(
@@ -102,7 +107,7 @@ async def test_fetcher_service_fetches_stores_and_refuses(
     monkeypatch.setenv("CRAWLMESH_FETCHER_HOST_DELAYS", '{"127.0.0.*": 0}')
     mesh = settings.model_copy(update={"body_inline_max_bytes": 4096})
     home, big, private = (frontier_entry(tenant, job, site.url(p)) for p in ("/", "/big", "/private"))
-    async with fetcher(nc, mesh):
+    async with fetcher(nc, mesh, tenant, job):
         for entry in (home, big, private):
             await publish(js, entry)
         await wait_for_count(js, streams.FETCHED.name, 3)
@@ -129,7 +134,7 @@ async def test_loopback_refused_by_default(
     nc: Client, js: JetStreamContext, settings: MeshSettings, tenant: str, job: str, site: Site,
 ) -> None:
     entry = frontier_entry(tenant, job, site.url("/"))
-    async with fetcher(nc, settings):
+    async with fetcher(nc, settings, tenant, job):
         await publish(js, entry)
         await wait_for_count(js, streams.FETCHED.name, 1)
     (data,) = await stream_messages(js, streams.FETCHED.name)
@@ -145,7 +150,7 @@ async def test_busy_host_entry_is_republished_with_a_new_generation(
     monkeypatch.setenv("CRAWLMESH_FETCHER_QUEUE_HORIZON_S", "0.5")
     monkeypatch.setenv("CRAWLMESH_FETCHER_DEFAULT_DELAY_S", "0")
     entry = frontier_entry(tenant, job, site.url("/"))
-    async with fetcher(nc, settings) as handler:
+    async with fetcher(nc, settings, tenant, job) as handler:
         assert isinstance(handler, FetcherHandler)
         handler.politeness.pause(entry.host, 1.5)  # the host is busy for 1.5 s
         started = utc_now()

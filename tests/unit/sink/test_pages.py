@@ -100,12 +100,12 @@ class FakePageStates:
     """
 
     def __init__(self) -> None:
-        self.pages: dict[str, tuple[PageState, str, int]] = {}
+        self.pages: dict[str, tuple[PageState, str, int, str]] = {}
         self.before_set: PageState | None = None
 
-    def put(self, fp: str, state: PageState, cause: str = CAUSE) -> None:
+    def put(self, fp: str, state: PageState, cause: str = CAUSE, by: str = "") -> None:
         revision = self.pages[fp][2] + 1 if fp in self.pages else 1
-        self.pages[fp] = (state, cause, revision)
+        self.pages[fp] = (state, cause, revision, by)
 
     def state(self, fp: str) -> PageState:
         return self.pages[fp][0]
@@ -113,17 +113,17 @@ class FakePageStates:
     async def get(self, tenant: str, job: str, fingerprint: str) -> PageRecord | None:
         if fingerprint not in self.pages:
             return None
-        state, cause, revision = self.pages[fingerprint]
-        return PageRecord(state, cause, revision)
+        state, cause, revision, by = self.pages[fingerprint]
+        return PageRecord(state, cause, revision, by)
 
     async def set(self, tenant: str, job: str, fingerprint: str, record: PageRecord,
-                  to: PageState) -> bool:
+                  to: PageState, finished_by: str = "") -> bool:
         if self.before_set is not None:
             self.put(fingerprint, self.before_set)
             self.before_set = None
         if self.pages[fingerprint][2] != record.revision:
             return False
-        self.put(fingerprint, to, record.cause)
+        self.put(fingerprint, to, record.cause, finished_by)
         return True
 
 
@@ -211,18 +211,19 @@ async def test_a_finished_page_is_not_delivered_again_but_its_ledger_entry_is_re
     ledger: PageLedger, publisher: FakePublisher, pages: FakePageStates,
     completion: FakeCompletion,
 ) -> None:
-    """A redelivery after the state became finished (the sink may have died before its
-    ledger entry landed) publishes the entry again with the same msg id, never the result."""
+    """A redelivery of the message that finished the page (the sink may have died before
+    its ledger entry landed) publishes the entry again with the same msg id, never the
+    result; the other message's redelivery publishes nothing."""
     await ledger.apply(TENANT, JOB, FP, E.RESULT, result())
     await ledger.apply(TENANT, JOB, FP, E.EXPANDED)
     first = list(publisher.sent)
     await ledger.apply(TENANT, JOB, FP, E.RESULT, result())
     await ledger.apply(TENANT, JOB, FP, E.EXPANDED)
     again = publisher.sent[len(first):]
-    assert [(s, i) for s, _, i in again] == [(FINISHED, FINISHED_ID)] * 2
+    assert [(s, i) for s, _, i in again] == [(FINISHED, FINISHED_ID)]
     assert len(publisher.on(RESULTS)) == 1
     assert pages.state(FP) is S.FINISHED
-    assert len(completion.checks) == 3
+    assert len(completion.checks) == 2
 
 
 @pytest.mark.parametrize("state", [S.ADMITTED, S.EXPANDED])
@@ -297,3 +298,22 @@ async def test_seeded_publishes_one_seeded_entry_and_checks(
         ledger_msg_id(TENANT, JOB, LedgerKind.SEEDED, "seeds"),
     )]
     assert completion.checks == [(TENANT, JOB)]
+
+
+async def test_a_late_duplicate_from_another_message_does_not_count_the_page_twice() -> None:
+    publisher, pages, completion = FakePublisher(), FakePageStates(), FakeCompletion()
+    ledger = PageLedger(publisher, pages, completion)  # type: ignore[arg-type]
+    pages.put(FP, PageState.ADMITTED)
+    await ledger.apply(TENANT, JOB, FP, E.RESULT, result(), source="mesh.parsed.T.J#7")
+    await ledger.apply(TENANT, JOB, FP, E.EXPANDED, source="mesh.expanded.T.J#9")
+    finished_id = ledger_msg_id(TENANT, JOB, LedgerKind.FINISHED, FP)
+    assert [m for _, _, m in publisher.sent].count(finished_id) == 1
+    # The finishing message redelivered: its ledger entry is republished (same id).
+    await ledger.apply(TENANT, JOB, FP, E.EXPANDED, source="mesh.expanded.T.J#9")
+    assert [m for _, _, m in publisher.sent].count(finished_id) == 2
+    # A duplicate page from another message (e.g. a replay, past the duplicate window):
+    # nothing is published, so the ledger cannot count the page twice.
+    before = len(publisher.sent)
+    await ledger.apply(TENANT, JOB, FP, E.RESULT, result(), source="mesh.parsed.T.J#99")
+    await ledger.apply(TENANT, JOB, FP, E.FAILED, result(Outcome.FAILED), source="mesh.dlq.x#1")
+    assert len(publisher.sent) == before
