@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import nats
 import orjson
@@ -36,6 +38,7 @@ from shared.streams import events_stream, results_stream
 from shared.tenancy import DEFAULT_TENANT, TenantError, TenantRegistry
 
 console = Console(stderr=True)
+T = TypeVar("T")
 
 
 class CrawlError(RuntimeError):
@@ -219,36 +222,58 @@ def crawl(
     raise typer.Exit(status)
 
 
-def status(
-    job: str | None = typer.Argument(None, help="Job id (all jobs when omitted)."),
-    tenant: str = typer.Option(DEFAULT_TENANT, help="Tenant name or id."),
-) -> None:
-    """Show a job's state and counters, or list the tenant's jobs."""
+def active_settings() -> MeshSettings:
+    """Settings pointing at the mesh `crawlmesh up` runs from the home folder, if any."""
+    from shared.launcher import running_mesh
 
-    async def show() -> None:
-        settings = MeshSettings()
+    settings = MeshSettings()
+    state = running_mesh(settings.home)
+    return settings.model_copy(update={"nats_url": str(state["url"])}) if state else settings
+
+
+def as_tenant(tenant: str, work: Callable[[Client, MeshSettings, str], Awaitable[T]]) -> T:
+    """Connect, resolve ``tenant``, run ``work(nc, settings, tenant_id)``, close.
+
+    Raises:
+        typer.Exit: status 1 after printing the reason, when the mesh is unreachable, the
+            tenant or the job unknown.
+    """
+
+    async def run() -> T:
+        settings = active_settings()
         nc = await _connect_or_explain(settings)
         try:
-            tenant_id = await _tenant_id(nc, tenant)
-            js = nc.jetstream()
-            store = JobStore(js)
-            records = [(await store.get(tenant_id, job))[0]] if job else await store.all(tenant_id)
-            for record in records:
-                counts = record.counters or await ledger_counts(js, tenant_id, record.job_id)
-                typer.echo(orjson.dumps({
-                    "job_id": record.job_id, "state": record.state,
-                    "created_at": record.created_at.isoformat(),
-                    "finished_at": record.finished_at.isoformat() if record.finished_at else None,
-                    "seeds": list(record.request.seeds), **counts.model_dump(),
-                }).decode())
+            return await work(nc, settings, await _tenant_id(nc, tenant))
         finally:
             await nc.close()
 
     try:
-        asyncio.run(show())
+        return asyncio.run(run())
     except (CrawlError, JobNotFoundError) as error:
         console.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(1) from None
+
+
+def status(
+    job: str | None = typer.Argument(None, help="Job id (all jobs when omitted)."),
+    tenant: str = typer.Option(DEFAULT_TENANT, help="Tenant name or id."),
+) -> None:
+    """Show a job's state and counters, or list the tenant's jobs (JSON lines)."""
+
+    async def show(nc: Client, settings: MeshSettings, tenant_id: str) -> None:
+        js = nc.jetstream()
+        store = JobStore(js)
+        records = [(await store.get(tenant_id, job))[0]] if job else await store.all(tenant_id)
+        for record in records:
+            counts = record.counters or await ledger_counts(js, tenant_id, record.job_id)
+            typer.echo(orjson.dumps({
+                "job_id": record.job_id, "state": record.state,
+                "created_at": record.created_at.isoformat(),
+                "finished_at": record.finished_at.isoformat() if record.finished_at else None,
+                "seeds": list(record.request.seeds), **counts.model_dump(),
+            }).decode())
+
+    as_tenant(tenant, show)
 
 
 def cancel(
@@ -257,28 +282,18 @@ def cancel(
 ) -> None:
     """Cancel a running job: nothing more is admitted or fetched for it."""
 
-    async def run() -> bool:
-        settings = MeshSettings()
-        nc = await _connect_or_explain(settings)
-        try:
-            tenant_id = await _tenant_id(nc, tenant)
-            js = nc.jetstream()
-            counts = await ledger_counts(js, tenant_id, job)
-            changed = await JobStore(js).transition(tenant_id, job, JobState.CANCELLED, counts)
-            if changed:
-                event = JobEvent(tenant=tenant_id, job_id=job, kind=JobEventKind.CANCELLED,
-                                 counters=counts, reason="cancelled by request")
-                await js.publish(subjects.events(tenant_id, job), encode(event),
-                                 headers={"Nats-Msg-Id": f"cli:{tenant_id}:{job}:cancelled"})
-            return changed
-        finally:
-            await nc.close()
+    async def run(nc: Client, settings: MeshSettings, tenant_id: str) -> bool:
+        js = nc.jetstream()
+        counts = await ledger_counts(js, tenant_id, job)
+        changed = await JobStore(js).transition(tenant_id, job, JobState.CANCELLED, counts)
+        if changed:
+            event = JobEvent(tenant=tenant_id, job_id=job, kind=JobEventKind.CANCELLED,
+                             counters=counts, reason="cancelled by request")
+            await js.publish(subjects.events(tenant_id, job), encode(event),
+                             headers={"Nats-Msg-Id": f"cli:{tenant_id}:{job}:cancelled"})
+        return changed
 
-    try:
-        changed = asyncio.run(run())
-    except (CrawlError, JobNotFoundError) as error:
-        console.print(f"[red]{escape(str(error))}[/]")
-        raise typer.Exit(1) from None
+    changed = as_tenant(tenant, run)
     console.print(f"job {job} cancelled" if changed else f"job {job} was not running")
 
 
@@ -290,18 +305,8 @@ def results(
 ) -> None:
     """Print a job's results, one JSON object per line, from the tenant's RESULTS stream."""
 
-    async def run() -> int:
-        settings = MeshSettings()
-        nc = await _connect_or_explain(settings)
-        try:
-            tenant_id = await _tenant_id(nc, tenant)
-            return await export_results(nc, settings, tenant_id, job, output, follow)
-        finally:
-            await nc.close()
+    async def run(nc: Client, settings: MeshSettings, tenant_id: str) -> int:
+        return await export_results(nc, settings, tenant_id, job, output, follow)
 
-    try:
-        count = asyncio.run(run())
-    except CrawlError as error:
-        console.print(f"[red]{escape(str(error))}[/]")
-        raise typer.Exit(1) from None
+    count = as_tenant(tenant, run)
     console.print(f"{count} results")
