@@ -64,7 +64,7 @@ class JobStore:
         try:
             entry = await kv.get(job_key(tenant, job))
         except KeyNotFoundError:
-            raise JobNotFoundError(f"no job {job!r} for tenant {tenant}") from None
+            raise JobNotFoundError(f"no job {job!r} for tenant {tenant}", job) from None
         record = decode(entry.value or b"", JobRecord)
         self._cache[job_key(tenant, job)] = (time.monotonic(), record)
         return record, entry.revision or 0

@@ -13,17 +13,19 @@ Child logs go to ``<home>/logs/<service>.log``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from shared.natsserver import EmbeddedServer, write_config
+from shared.natsserver import EmbeddedServer, die_with_parent, write_config
 from shared.settings import MeshSettings
 
 SERVICES: tuple[str, ...] = ("seeder", "dedup", "fetcher", "parser", "sink")
@@ -36,6 +38,23 @@ class MeshError(RuntimeError):
 
 def state_file(home: Path) -> Path:
     return home / "mesh.json"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, mode: int, blocking: bool = True) -> Iterator[bool]:
+    """Hold ``fcntl.flock(mode)`` on ``path`` while inside; yields False if ``blocking`` is
+    off and the lock is taken by another process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as handle:
+        try:
+            fcntl.flock(handle, mode | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def running_mesh(home: Path) -> dict[str, object] | None:
@@ -82,7 +101,8 @@ class EmbeddedMesh:
             home / "nats-server.conf", store_dir=self.settings.store_dir,
             host=parts.hostname or "127.0.0.1", port=parts.port or 4222,
         )
-        self.server = EmbeddedServer(config=config, log_path=home / "logs" / "nats-server.log")
+        self.server = EmbeddedServer(config=config, log_path=home / "logs" / "nats-server.log",
+                                     tied_to_parent=True)
         try:
             self.url = self.server.start()
         except Exception as error:
@@ -105,17 +125,20 @@ class EmbeddedMesh:
             child.process = subprocess.Popen(
                 [sys.executable, "-m", "shared.cli.main", "service", child.name.split("#")[0]],
                 env=self.child_env(), stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
 
-    def start_services(self) -> None:
+    def start_services(self, auto: bool = False) -> None:
+        """Start one process per service replica and record the mesh in ``mesh.json``
+        (``auto``: started by `crawlmesh crawl`, stopped by its last user)."""
         for name in SERVICES:
             for index in range(self.replicas.get(name, 1)):
                 child = Child(name if index == 0 else f"{name}#{index}")
                 self.spawn(child)
                 self.children.append(child)
         state_file(self.settings.home).write_text(
-            json.dumps({"pid": os.getpid(), "url": self.url, "started_at": time.time()})
+            json.dumps({"pid": os.getpid(), "url": self.url, "started_at": time.time(),
+                        "auto": auto})
         )
 
     def supervise_once(self) -> list[str]:

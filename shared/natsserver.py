@@ -8,6 +8,8 @@ port is read back from the log.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
 import shutil
@@ -20,6 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _LISTEN = re.compile(r"Listening for client connections on (\S+):(\d+)")
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child that must not outlive the thread that started it: asks
+    Linux (``prctl(PR_SET_PDEATHSIG, SIGTERM)``) to send it SIGTERM when that thread dies.
+    A no-op where prctl is unavailable."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class NatsServerError(RuntimeError):
@@ -71,6 +84,8 @@ class EmbeddedServer:
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     url: str = ""
+    tied_to_parent: bool = False
+    """SIGTERM the server when the thread that started it dies (the launcher sets this)."""
     _lines: list[str] = field(default_factory=list)
 
     def start(self, timeout_s: float = 15.0) -> str:
@@ -84,6 +99,7 @@ class EmbeddedServer:
         self.process = subprocess.Popen(
             [server_binary(), "-c", str(self.config)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=die_with_parent if self.tied_to_parent else None,
         )
         ready = threading.Event()
         threading.Thread(target=self._pump, args=(ready,), daemon=True).start()

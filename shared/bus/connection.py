@@ -12,17 +12,21 @@ from shared.settings import MeshSettings
 log = logging.getLogger(__name__)
 
 
-async def connect(settings: MeshSettings, name: str) -> Client:
-    """Connect to ``settings.nats_url`` as client ``name``; reconnect forever with backoff.
+async def connect(settings: MeshSettings, name: str, *, persistent: bool = True) -> Client:
+    """Connect to ``settings.nats_url`` as client ``name``.
 
-    Uses ``settings.nats_creds`` (a user creds file) when set, so operator mode is a setting.
+    A ``persistent`` client (a service) retries the first connection and reconnects
+    forever; a command-line client gives up after a few attempts (about 3 s), so a missing
+    server is reported instead of waited for. Uses ``settings.nats_creds`` (a user creds
+    file) when set, so operator mode is a setting.
 
     Raises:
-        nats.errors.NoServersError: no server reachable within the connect timeout.
+        nats.errors.NoServersError: no server reachable (non-persistent clients).
     """
 
     async def on_error(error: Exception) -> None:
-        log.warning("nats error: %s", error)
+        if persistent:
+            log.warning("nats error: %s", error)
 
     async def on_disconnect() -> None:
         log.info("disconnected from nats")
@@ -35,7 +39,7 @@ async def connect(settings: MeshSettings, name: str) -> Client:
         name=name,
         user_credentials=str(settings.nats_creds) if settings.nats_creds else None,
         connect_timeout=settings.nats_connect_timeout_s,
-        max_reconnect_attempts=-1,
+        max_reconnect_attempts=-1 if persistent else 3,
         reconnect_time_wait=1.0,
         allow_reconnect=True,
         error_cb=on_error,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -15,14 +16,16 @@ import orjson
 import typer
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shared import subjects
 from shared.bus.connection import connect
-from shared.codec import decode, encode
+from shared.codec import decode, describe, encode
 from shared.contracts import (
     CrawlRequest,
     JobEvent,
@@ -129,6 +132,7 @@ async def export_results(nc: Client, settings: MeshSettings, tenant_id: str, job
                 handle.write(msg.data + b"\n")
                 count += 1
             if msgs:
+                handle.flush()
                 continue
             if not follow:
                 info = await sub.consumer_info()
@@ -156,7 +160,7 @@ async def _tenant_id(nc: Client, tenant: str) -> str:
 
 async def _connect_or_explain(settings: MeshSettings) -> Client:
     try:
-        return await connect(settings, name="crawlmesh-cli")
+        return await connect(settings, name="crawlmesh-cli", persistent=False)
     except (nats.errors.NoServersError, OSError) as error:
         raise CrawlError(f"cannot reach NATS at {settings.nats_url}: {error} "
                          "(start the mesh with `crawlmesh up`)") from None
@@ -174,7 +178,18 @@ async def run_crawl(settings: MeshSettings, tenant: str, request: CrawlRequest, 
         if not wait:
             typer.echo(job)
             return 0
-        event = await wait_for_job(nc, settings, tenant_id, job, show=True)
+        main = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # stop like Ctrl-C does
+            loop.add_signal_handler(sig, main.cancel if main else lambda: None)
+        try:
+            event = await wait_for_job(nc, settings, tenant_id, job, show=True)
+        except asyncio.CancelledError:  # interrupted: stop the crawl, not just the waiting
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    if await cancel_job(nc.jetstream(), tenant_id, job, "interrupted"):
+                        console.print(f"interrupted: job {job} cancelled")
+            raise
         elapsed = time.monotonic() - started
         c = event.counters
         console.print(f"job {job} {event.kind}: {c.finished} pages finished "
@@ -205,9 +220,11 @@ def crawl(
     try:
         request = CrawlRequest(seeds=tuple(seeds), max_pages=max_pages, max_depth=max_depth,
                                max_pages_per_host=max_pages_per_host, scope=Scope(mode=scope))
-    except ValueError as error:
-        console.print(f"[red]invalid crawl request:[/] {escape(str(error))}")
+    except ValidationError as error:
+        console.print(f"[red]{escape(describe(error, 'crawl request'))}[/]")
         raise typer.Exit(2) from None
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # until the crawl runs: like Ctrl-C
+        signal.signal(sig, signal.default_int_handler)
     settings = MeshSettings()
     if not (wait or output) and embedded and not mesh_available(settings):
         console.print("no mesh is running: the embedded one started now lives as long as this "
@@ -216,10 +233,30 @@ def crawl(
     with ensure_mesh_running(settings, allowed=embedded) as active:
         try:
             status = asyncio.run(run_crawl(active, tenant, request, wait or bool(output), output))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            status = 130
         except CrawlError as error:
             console.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(1) from None
     raise typer.Exit(status)
+
+
+async def cancel_job(js: JetStreamContext, tenant_id: str, job: str, reason: str) -> bool:
+    """Move a running job to cancelled and publish its ``cancelled`` event.
+
+    Returns True if this call cancelled it (False: it was not running).
+
+    Raises:
+        JobNotFoundError: no such job.
+    """
+    counts = await ledger_counts(js, tenant_id, job)
+    changed = await JobStore(js).transition(tenant_id, job, JobState.CANCELLED, counts)
+    if changed:
+        event = JobEvent(tenant=tenant_id, job_id=job, kind=JobEventKind.CANCELLED,
+                         counters=counts, reason=reason)
+        await js.publish(subjects.events(tenant_id, job), encode(event),
+                         headers={"Nats-Msg-Id": f"cli:{tenant_id}:{job}:cancelled"})
+    return changed
 
 
 def active_settings() -> MeshSettings:
@@ -249,7 +286,11 @@ def as_tenant(tenant: str, work: Callable[[Client, MeshSettings, str], Awaitable
 
     try:
         return asyncio.run(run())
-    except (CrawlError, JobNotFoundError) as error:
+    except JobNotFoundError as error:
+        console.print(f"[red]no job {escape(repr(error.args[1]))} for tenant "
+                      f"{escape(repr(tenant))}[/]" if len(error.args) > 1 else str(error))
+        raise typer.Exit(1) from None
+    except CrawlError as error:
         console.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(1) from None
 
@@ -283,15 +324,7 @@ def cancel(
     """Cancel a running job: nothing more is admitted or fetched for it."""
 
     async def run(nc: Client, settings: MeshSettings, tenant_id: str) -> bool:
-        js = nc.jetstream()
-        counts = await ledger_counts(js, tenant_id, job)
-        changed = await JobStore(js).transition(tenant_id, job, JobState.CANCELLED, counts)
-        if changed:
-            event = JobEvent(tenant=tenant_id, job_id=job, kind=JobEventKind.CANCELLED,
-                             counters=counts, reason="cancelled by request")
-            await js.publish(subjects.events(tenant_id, job), encode(event),
-                             headers={"Nats-Msg-Id": f"cli:{tenant_id}:{job}:cancelled"})
-        return changed
+        return await cancel_job(nc.jetstream(), tenant_id, job, "cancelled by request")
 
     changed = as_tenant(tenant, run)
     console.print(f"job {job} cancelled" if changed else f"job {job} was not running")
@@ -306,6 +339,7 @@ def results(
     """Print a job's results, one JSON object per line, from the tenant's RESULTS stream."""
 
     async def run(nc: Client, settings: MeshSettings, tenant_id: str) -> int:
+        await JobStore(nc.jetstream()).get(tenant_id, job)  # unknown job: a clear error
         return await export_results(nc, settings, tenant_id, job, output, follow)
 
     count = as_tenant(tenant, run)

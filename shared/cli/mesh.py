@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -12,15 +14,18 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import nats
 import typer
 from nats.aio.client import Client
 from rich.console import Console
+from rich.markup import escape
 
 from shared.bus.connection import connect
 from shared.bus.service import LoopSpec, run_service
-from shared.launcher import SERVICES, EmbeddedMesh, MeshError, running_mesh
+from shared.launcher import SERVICES, EmbeddedMesh, MeshError, file_lock, running_mesh
 from shared.settings import MeshSettings
 from shared.streams import ensure_mesh, ensure_tenant
 from shared.tenancy import DEFAULT_TENANT, TenantRegistry
@@ -45,7 +50,7 @@ async def initialise(
 
     Returns ``{tenant name: tenant id}``. Idempotent.
     """
-    nc = await connect(settings, name="crawlmesh-init")
+    nc = await connect(settings, name="crawlmesh-init", persistent=False)
     try:
         js = nc.jetstream()
         await ensure_mesh(js, settings)
@@ -62,7 +67,11 @@ async def initialise(
 def init() -> None:
     """Create streams, consumers, KV buckets and the default tenant on the configured NATS."""
     settings = MeshSettings()
-    ids = asyncio.run(initialise(settings))
+    try:
+        ids = asyncio.run(initialise(settings))
+    except (nats.errors.NoServersError, OSError) as error:
+        _say(f"[red]cannot reach NATS at {settings.nats_url}:[/] {escape(str(error))}")
+        raise typer.Exit(1) from None
     for name, tenant_id in ids.items():
         console.print(f"tenant [bold]{name}[/]: {tenant_id}")
 
@@ -82,7 +91,7 @@ def service(name: str = typer.Argument(..., help=f"One of: {', '.join(SERVICES)}
     asyncio.run(run_service(name, MeshSettings(), setups[name]))
 
 
-def start_embedded(settings: MeshSettings) -> EmbeddedMesh:
+def start_embedded(settings: MeshSettings, auto: bool = False) -> EmbeddedMesh:
     """Start nats-server, initialise streams and tenants, start the five services.
 
     Raises:
@@ -92,7 +101,7 @@ def start_embedded(settings: MeshSettings) -> EmbeddedMesh:
     url = mesh.start_server()
     try:
         asyncio.run(initialise(settings.model_copy(update={"nats_url": url})))
-        mesh.start_services()
+        mesh.start_services(auto)
     except Exception:
         mesh.stop()
         raise
@@ -114,75 +123,113 @@ def mesh_available(settings: MeshSettings) -> bool:
     return running_mesh(settings.home) is not None or _reachable(settings.nats_url)
 
 
+def _say(message: str) -> None:
+    """Print to stderr, ignoring a closed terminal (SIGHUP) so shutdown still runs."""
+    with contextlib.suppress(OSError, ValueError):
+        console.print(message)
+
+
+def _lock_path(home: Path, name: str) -> Path:
+    return home / f"{name}.lock"
+
+
 @contextlib.contextmanager
 def ensure_mesh_running(settings: MeshSettings, allowed: bool = True) -> Iterator[MeshSettings]:
     """Yield settings pointing at a running mesh, starting an embedded one if needed.
 
     Order: a mesh started by `crawlmesh up` from ``settings.home``; else a NATS server
     already listening at ``settings.nats_url`` (e.g. docker compose); else, if ``allowed``,
-    a new embedded mesh (`crawlmesh up` as a child process), stopped again on exit.
+    a new embedded mesh (`crawlmesh up --auto`). Concurrent callers share one embedded
+    mesh: each holds a shared lock on ``<home>/users.lock`` while using it, startup is
+    serialised by ``<home>/start.lock``, and the last user of an ``--auto`` mesh stops it.
 
     Raises:
         typer.Exit: no mesh and not allowed to start one, or it failed to start.
     """
-    state = running_mesh(settings.home)
-    if state:
-        yield settings.model_copy(update={"nats_url": str(state["url"])})
-        return
-    if _reachable(settings.nats_url):
-        yield settings
-        return
-    if not allowed:
-        console.print(f"no mesh running at {settings.nats_url}; start one with `crawlmesh up`")
-        raise typer.Exit(1)
-    console.print(f"starting the embedded mesh (state in {settings.home}, "
-                  f"logs in {settings.home / 'logs'})")
+    users = _lock_path(settings.home, "users")
+    state: dict[str, object] | None = None
+    try:
+        with file_lock(users, fcntl.LOCK_SH):
+            with file_lock(_lock_path(settings.home, "start"), fcntl.LOCK_EX):
+                state = running_mesh(settings.home)
+                if state is None and not _reachable(settings.nats_url):
+                    if not allowed:
+                        _say(f"no mesh running at {settings.nats_url}; "
+                             "start one with `crawlmesh up`")
+                        raise typer.Exit(1)
+                    state = _start_auto_mesh(settings)
+            url = str(state["url"]) if state else settings.nats_url
+            yield settings.model_copy(update={"nats_url": url})
+    finally:
+        if state and state.get("auto"):
+            with file_lock(users, fcntl.LOCK_EX, blocking=False) as last:
+                if last:  # nobody else uses the auto-started mesh: stop it
+                    _say("stopping the embedded mesh")
+                    _stop_mesh(settings.home, int(str(state["pid"])))
+
+
+def _start_auto_mesh(settings: MeshSettings) -> dict[str, object]:
+    _say(f"starting the embedded mesh (state in {settings.home}, logs in "
+         f"{settings.home / 'logs'})")
     child = subprocess.Popen(
-        [sys.executable, "-m", "shared.cli.main", "up"],
+        [sys.executable, "-m", "shared.cli.main", "up", "--auto"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )
+    deadline = time.monotonic() + 60
     try:
-        deadline = time.monotonic() + 60
         while True:
             state = running_mesh(settings.home)
             if state and state.get("pid") == child.pid:
-                break
+                return state
             if child.poll() is not None or time.monotonic() > deadline:
                 err = (child.stderr.read() if child.stderr else b"").decode(errors="replace")
-                console.print(f"[red]the embedded mesh did not start:[/] {err[-2000:]}")
+                _say(f"[red]the embedded mesh did not start:[/] {escape(err[-2000:])}")
                 raise typer.Exit(1)
             time.sleep(0.1)
-        yield settings.model_copy(update={"nats_url": str(state["url"])})
-    finally:
+    except BaseException:  # interrupted or failed while starting: take it down again
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             try:
                 child.wait(60)
             except subprocess.TimeoutExpired:
                 child.kill()
+        raise
 
 
-def up() -> None:
+def _stop_mesh(home: Path, pid: int, timeout_s: float = 60) -> None:
+    """SIGTERM the launcher ``pid`` and wait until it has stopped everything."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while running_mesh(home) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def up(
+    auto: bool = typer.Option(False, "--auto", hidden=True,
+                              help="Started by `crawl`: its last user stops it."),
+) -> None:
     """Start the embedded mesh (nats-server + one process per service) until Ctrl-C."""
     settings = MeshSettings()
-    if running_mesh(settings.home):
-        console.print(f"a mesh is already running from {settings.home}")
-        raise typer.Exit(1)
-    try:
-        mesh = start_embedded(settings)
-    except MeshError as error:
-        console.print(f"[red]could not start the mesh:[/] {error}")
-        raise typer.Exit(1) from None
-    console.print(f"mesh up: nats {mesh.url}, services {', '.join(SERVICES)}; "
-                  f"state in {settings.home}; Ctrl-C stops")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        while not stop.wait(0.5):
-            for name in mesh.supervise_once():
-                console.print(f"restarted {name}")
-    finally:
-        console.print("stopping the mesh")
-        mesh.stop()
+    with file_lock(_lock_path(settings.home, "mesh"), fcntl.LOCK_EX, blocking=False) as mine:
+        if not mine or running_mesh(settings.home):
+            _say(f"a mesh is already running from {settings.home}")
+            raise typer.Exit(1)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            mesh = start_embedded(settings, auto)
+        except (MeshError, OSError) as error:
+            _say(f"[red]could not start the mesh:[/] {escape(str(error))}")
+            raise typer.Exit(1) from None
+        _say(f"mesh up: nats {mesh.url}, services {', '.join(SERVICES)}; "
+             f"state in {settings.home}; Ctrl-C stops")
+        try:
+            while not stop.wait(0.5):
+                for name in mesh.supervise_once():
+                    _say(f"restarted {name}")
+        finally:
+            _say("stopping the mesh")
+            mesh.stop()
     sys.exit(0)

@@ -31,9 +31,10 @@ def check_http_url(value: str) -> str:
         port = parts.port
     except ValueError as error:
         raise ValueError(f"not a URL: {url!r} ({error})") from None
+    if not parts.scheme:
+        raise ValueError(f"not an absolute URL: {url!r} (expected http://host/... or https://...)")
     if parts.scheme.lower() not in ("http", "https"):
-        shown = parts.scheme or "none"
-        raise ValueError(f"unsupported scheme {shown!r} in {url!r}: only http and https")
+        raise ValueError(f"unsupported scheme {parts.scheme!r} in {url!r}: only http and https")
     if not parts.hostname:
         raise ValueError(f"URL has no host: {url!r}")
     if port == 0:

@@ -42,7 +42,7 @@ def test_a_json_request_keeps_every_field() -> None:
     (b'{"seeds": ["ftp://example.org/file"]}', "unsupported scheme 'ftp'"),
     (b"ftp://example.org/file", "unsupported scheme 'ftp'"),
     (b"mailto:someone@example.org", "unsupported scheme 'mailto'"),
-    (b"example.org/no-scheme", "unsupported scheme 'none'"),
+    (b"example.org/no-scheme", "not an absolute URL"),
     (b"https:///no-host", "no host"),
     (b"https://example.org:99999/", "not a URL"),
     (b"https://example.org/" + b"a" * 3000, "longer than 2048"),
