@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -39,6 +40,7 @@ from shared.codec import decode, encode
 from shared.contracts.base import Contract
 from shared.settings import MeshSettings
 from shared.streams import ConsumerSpec
+from shared.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +201,7 @@ class ConsumeLoop(Generic[M]):
             stream_seq=meta.sequence.stream, tenant=tenant, job=job,
             published_at=meta.timestamp,
         )
+        started = time.perf_counter()
         heartbeat = asyncio.create_task(self._heartbeat(msg))
         error: BaseException | None = None
         try:
@@ -218,9 +221,15 @@ class ConsumeLoop(Generic[M]):
         finally:
             heartbeat.cancel()
         await self._settle(msg, delivery, error)
+        metrics.HANDLER_DURATION.labels(str(self.spec.stage), self.spec.durable).observe(
+            time.perf_counter() - started)
 
     async def _settle(self, msg: Msg, delivery: Delivery, error: BaseException | None) -> None:
         outcome = decide(error, delivery.delivered, self.max_deliver, self.settings.backoff_s)
+        stage, consumer = str(self.spec.stage), self.spec.durable
+        metrics.MESSAGES.labels(stage, consumer, delivery.tenant, outcome.verdict).inc()
+        if outcome.verdict is Verdict.DEAD_LETTER:
+            metrics.DEAD_LETTERS.labels(stage, delivery.tenant).inc()
         try:
             if outcome.verdict is Verdict.ACK:
                 await msg.ack()

@@ -1,0 +1,1 @@
+"""Telemetry: Prometheus metrics, OpenTelemetry tracing and JSON logs for every service."""
