@@ -249,7 +249,8 @@ def _servers() -> dict[str, Any]:
 
 def _headers(msg_id: str, required: bool, example: str) -> dict[str, Any]:
     trace = {"type": "string", "description": "W3C Trace Context (optional); the mesh "
-             "copies it from each input to every output it causes."}
+             "continues the trace of each input in the outputs it causes (a page admitted "
+             "by dedup starts a new trace, linked to it)."}
     return {
         "type": "object",
         "required": ["Nats-Msg-Id"] if required else [],

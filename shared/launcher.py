@@ -6,8 +6,13 @@ in ``<home>/jetstream``, creates streams and the default tenant (``crawlmesh ini
 starts each service as a separate child process (``crawlmesh service NAME``), restarts a
 child that dies (with backoff), and on SIGTERM/SIGINT stops the services, then the server.
 
-``<home>/mesh.json`` records the running mesh (URL, launcher pid) so other commands find it.
-Child logs go to ``<home>/logs/<service>.log``.
+``<home>/mesh.json`` records the running mesh (URL, launcher pid, and each service
+process's metrics endpoint) so other commands find it. Child logs go to
+``<home>/logs/<service>.log``.
+
+Metrics ports: with ``metrics_base_port`` B (default 9460; 0 turns the endpoints off) the
+first process of each service gets B + its index in :data:`SERVICES` (seeder B .. sink
+B + 4); extra replicas get B + 5, B + 6, ... in start order. A restarted child keeps its port.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ class Child:
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     next_start: float = 0.0
+    metrics_port: int = 0
+    """Port of its /metrics, /healthz and /readyz endpoint (0: none)."""
 
 
 @dataclass
@@ -121,25 +128,42 @@ class EmbeddedMesh:
     def spawn(self, child: Child) -> None:
         logs = self.settings.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        env = {**self.child_env(), "CRAWLMESH_METRICS_PORT": str(child.metrics_port)}
         with (logs / f"{child.name}.log").open("ab") as log:
             child.process = subprocess.Popen(
                 [sys.executable, "-m", "shared.cli.main", "service", child.name.split("#")[0]],
-                env=self.child_env(), stdout=log, stderr=subprocess.STDOUT,
+                env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent,
             )
 
     def start_services(self, auto: bool = False) -> None:
         """Start one process per service replica and record the mesh in ``mesh.json``
         (``auto``: started by `crawlmesh crawl`, stopped by its last user)."""
-        for name in SERVICES:
+        base = self.settings.metrics_base_port
+        extra = base + len(SERVICES)
+        for position, name in enumerate(SERVICES):
             for index in range(self.replicas.get(name, 1)):
                 child = Child(name if index == 0 else f"{name}#{index}")
+                if base and index == 0:
+                    child.metrics_port = base + position
+                elif base:
+                    child.metrics_port, extra = extra, extra + 1
                 self.spawn(child)
                 self.children.append(child)
         state_file(self.settings.home).write_text(
             json.dumps({"pid": os.getpid(), "url": self.url, "started_at": time.time(),
-                        "auto": auto})
+                        "auto": auto, "metrics": self.metrics_urls()})
         )
+
+    def metrics_urls(self) -> dict[str, str]:
+        """``{process name: "http://host:port"}`` of each child's metrics endpoint
+        (``<url>/metrics``, ``/healthz``, ``/readyz``)."""
+        host = self.settings.metrics_host
+        if host in ("", "0.0.0.0", "::"):  # listening everywhere: reachable on loopback
+            host = "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return {child.name: f"http://{host}:{child.metrics_port}"
+                for child in self.children if child.metrics_port}
 
     def supervise_once(self) -> list[str]:
         """Restart children that exited (backoff 1 s doubling to 30 s). Returns restarted."""

@@ -63,6 +63,22 @@ class MeshSettings(BaseSettings):
     concurrency: int = Field(16, ge=1, description="Handlers running at once per service.")
     shutdown_grace_s: float = Field(10.0, description="How long SIGTERM waits for in-flight work.")
 
+    # Telemetry (shared.telemetry.http): /metrics, /healthz and /readyz of one service process
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="This process's metrics/health HTTP port (0: no endpoint)."
+    )
+    metrics_host: str = Field("127.0.0.1", description="Address the metrics endpoint listens on.")
+    metrics_base_port: int = Field(
+        9460, ge=0, le=65535,
+        description=(
+            "`crawlmesh up`: first metrics port; seeder..sink get base..base+4, extra "
+            "replicas the ports after (0: no metrics endpoints)."
+        ),
+    )
+    metrics_refresh_s: float = Field(
+        5.0, gt=0, description="Seconds between refreshes of the JetStream gauges (the sink)."
+    )
+
     # Testing
     fault_inject: str | None = Field(
         None,

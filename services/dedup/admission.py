@@ -11,20 +11,28 @@ admit slightly fewer pages than its budget, never more.
 
 An in-process LRU cache of fingerprints already decided spares the round trip for the
 ~55 links per page that are mostly duplicates.
+
+Refused candidates count in ``crawlmesh_dedup_links_total``: ``duplicate`` (another
+message admitted it) or ``over_budget`` (no page budget left).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from shared.streams import PAGES_BUCKET
+from shared.telemetry import metrics
 
 ADMITTED = "admitted"
+NO_OWNER = "-"
+"""Cached for a fingerprint refused for lack of budget (no message admitted it)."""
+DUPLICATE = "duplicate"
+OVER_BUDGET = "over_budget"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +63,11 @@ class DecisionCache:
             self._entries.popitem(last=False)
 
 
+def _count(tenant: str, refused: Counter[str]) -> None:
+    for decision, count in refused.items():
+        metrics.DEDUP_LINKS.labels(tenant, decision).inc(count)
+
+
 class KvAdmission:
     """The seen-set and page budgets in the ``pages`` KV bucket (see module docstring)."""
 
@@ -73,13 +86,17 @@ class KvAdmission:
         kv = await self.js.key_value(PAGES_BUCKET)
         undecided: list[Candidate] = []
         admitted: list[Candidate] = []
+        refused: Counter[str] = Counter()
         for cand in candidates:
             known = self.cache.get((tenant, job, cand.fingerprint))
             if known is None:
                 undecided.append(cand)
             elif known == cause:
                 admitted.append(cand)
+            else:
+                refused[OVER_BUDGET if known == NO_OWNER else DUPLICATE] += 1
         if not undecided:
+            _count(tenant, refused)
             return admitted
         # Host caps first, then the job's budget: a cut by the budget before the host caps
         # would spend it on links that a host cap then refuses, starving the other hosts.
@@ -107,13 +124,16 @@ class KvAdmission:
             # Already decided, or over budget: admitted only if this very message did it
             # before (a redelivery republishes instead of calling it a duplicate).
             owner = await self._owner(kv, key)
-            self.cache.put((tenant, job, cand.fingerprint), owner or "-")
+            self.cache.put((tenant, job, cand.fingerprint), owner or NO_OWNER)
             if owner == cause:
                 admitted.append(cand)
+            else:
+                refused[DUPLICATE if owner else OVER_BUDGET] += 1
         if len(fresh) < len(wanted):
             await self._release(kv, f"{tenant}.{job}._budget", len(wanted) - len(fresh))
         if max_pages_per_host > 0:
             await self._release_hosts(kv, tenant, job, [c for c in wanted if c.fingerprint not in fresh])
+        _count(tenant, refused)
         order = {c.fingerprint: i for i, c in enumerate(candidates)}
         return sorted(admitted, key=lambda c: order[c.fingerprint])
 

@@ -6,15 +6,21 @@ For each link: canonicalise (``shared.urls``), check the job's scope, depth and 
 admitted URL gets a frontier entry on its host's partition and an ``admitted`` ledger
 entry; only after those are acknowledged is the :class:`PageExpanded` report published
 (phase 1), so the sink never sees a page expanded before its children are counted.
+Each frontier entry starts the admitted page's own trace (``Outbound.new_trace``).
+
+Each link of a running job counts once in ``crawlmesh_dedup_links_total`` by decision:
+``invalid`` (no canonical form, or too long), ``duplicate`` (repeated in the message),
+``out_of_scope``, ``too_deep`` and ``admitted`` here; the admission counts the links it
+refuses (``duplicate``, ``over_budget``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Protocol
 
 from services.dedup.admission import Candidate
-from services.dedup.scope import JobScope
+from services.dedup.scope import TOO_LONG, JobScope
 from shared import subjects
 from shared.bus.loop import Delivery, Outbound
 from shared.bus.outcomes import UnprocessableError
@@ -29,6 +35,7 @@ from shared.contracts import (
 )
 from shared.jobs import ledger_msg_id
 from shared.subjects import LedgerKind, Stage
+from shared.telemetry import metrics
 from shared.urls import UrlError, canonical_url, fingerprint, host_of
 
 
@@ -74,21 +81,33 @@ class DedupHandler:
         candidates: list[Candidate] = []
         urls: dict[str, str] = {}
         request = record.request
-        if record.state is JobState.RUNNING and message.depth <= request.max_depth:
+        decisions: Counter[str] = Counter()
+        if record.state is JobState.RUNNING and message.depth > request.max_depth:
+            decisions["too_deep"] += len(message.links)
+        elif record.state is JobState.RUNNING:
             scope = self.scope(tenant, job, request)
             for link in message.links:
                 try:
                     url = canonical_url(link.url)
                 except UrlError:
+                    decisions["invalid"] += 1
                     continue
                 fp = fingerprint(url)
-                if fp in urls or scope.check(url) is not None:
+                if fp in urls:
+                    decisions["duplicate"] += 1
+                    continue
+                if (reason := scope.check(url)) is not None:
+                    decisions["invalid" if reason == TOO_LONG else "out_of_scope"] += 1
                     continue
                 urls[fp] = url
                 candidates.append(Candidate(fp, host_of(url)))
         admitted = await self.admission.admit(
             tenant, job, candidates, cause, request.max_pages, request.max_pages_per_host
         )
+        decisions["admitted"] += len(admitted)
+        for decision, count in decisions.items():
+            if count:
+                metrics.DEDUP_LINKS.labels(tenant, decision).inc(count)
         outputs: list[Outbound] = []
         for cand in admitted:
             entry = FrontierEntry(
@@ -98,6 +117,7 @@ class DedupHandler:
             outputs.append(Outbound(
                 subjects.frontier(subjects.partition_of(cand.host), tenant, job), entry,
                 subjects.msg_id(Stage.DEDUP, tenant, job, cand.fingerprint),
+                new_trace=True,  # one trace per page, linked to the discovering page's
             ))
             outputs.append(Outbound(
                 subjects.ledger(tenant, job, LedgerKind.ADMITTED),

@@ -15,11 +15,19 @@ Retryable statuses and network errors raise :class:`TransientError` while
 :data:`EGRESS_REFUSES`. Only HTML-ish bodies are downloaded; they travel zlib-compressed,
 inline or, above ``body_inline_max_bytes``, through a :class:`BodyStore`
 (:mod:`~services.fetcher.bodies`).
+
+Metrics (:mod:`shared.telemetry.metrics`): robots.txt decisions (a URL counts as
+disallowed when refused, as allowed when requested, so a re-published entry counts once);
+each re-published entry (``crawlmesh_politeness_deferred_total``); each request's wait
+for its host's turn, seconds (the first hop's includes the time an entry slept for its
+scheduled slot); and per fetch that got an answer or failed, its duration over all hops,
+seconds, and its decompressed body size, bytes, by status class (``error``: no answer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import datetime, timedelta
 from urllib.parse import urljoin
 
@@ -43,6 +51,8 @@ from shared.bus.loop import Delivery, Outbound
 from shared.bus.outcomes import TransientError
 from shared.contracts import FetchedPage, FrontierEntry, utc_now
 from shared.subjects import Stage
+from shared.telemetry import metrics
+from shared.telemetry.metrics import status_class
 from shared.urls import UrlError, canonical_url, host_of
 
 ROBOTS_DISALLOWS = "robots.txt disallows"
@@ -119,10 +129,12 @@ class FetcherHandler:
         except _Refused as refused:
             return [await self._page_out(message, url, error=str(refused))]
         delay = self.politeness.delay_for(message.host, rules.crawl_delay_s(self.settings.user_agent))
+        waiting = time.perf_counter()
         later = await self._wait_or_defer(message, delay)
         if later is not None:
+            metrics.POLITENESS_DEFERRED.inc()
             return [later]
-        return [await self._fetch(message, delivery, delay)]
+        return [await self._fetch(message, delivery, delay, time.perf_counter() - waiting)]
 
     async def _permit(self, url: str) -> RobotsRules:
         """robots.txt rules of ``url`` if they allow it; raises :class:`_Refused` if not."""
@@ -131,6 +143,7 @@ class FetcherHandler:
         except EgressRefusedError as refused:
             raise _Refused(refused.describe(url)) from None
         if not rules.allows(url, self.settings.user_agent):
+            metrics.ROBOTS_DECISIONS.labels("disallowed").inc()
             why = f" ({rules.note})" if rules.note else ""
             raise _Refused(f"{ROBOTS_DISALLOWS} {url}{why}")
         return rules
@@ -182,8 +195,10 @@ class FetcherHandler:
                             generation),
         )
 
-    async def _fetch(self, entry: FrontierEntry, delivery: Delivery, delay_s: float) -> Outbound:
-        """Request ``entry`` and its redirect hops; the page to publish."""
+    async def _fetch(self, entry: FrontierEntry, delivery: Delivery, delay_s: float,
+                     waited_s: float = 0.0) -> Outbound:
+        """Request ``entry`` and its redirect hops; the page to publish. ``waited_s``: how
+        long the entry already waited for its slot, seconds."""
         url, host = entry.url, entry.host
         elapsed_s = 0.0
         for hop in range(self.settings.max_redirects + 1):
@@ -197,14 +212,20 @@ class FetcherHandler:
                     return await self._page_out(entry, url, error=str(refused))
                 host = host_of(url)
                 delay_s = self.politeness.delay_for(host, rules.crawl_delay_s(self.settings.user_agent))
+            metrics.ROBOTS_DECISIONS.labels("allowed").inc()  # once per URL requested
+            queued = time.perf_counter()
             try:
                 async with self.politeness.turn(host, delay_s):
+                    metrics.POLITENESS_WAIT.observe(waited_s + time.perf_counter() - queued)
+                    waited_s, started = 0.0, time.perf_counter()
                     response = await self.downloader.get(
                         url, max_bytes=self.settings.max_body_bytes, wanted=self._wants_body,
                     )
             except EgressRefusedError as refused:
                 return await self._page_out(entry, url, error=refused.describe(url))
             except FetchError as error:
+                metrics.FETCH_DURATION.labels("error").observe(
+                    elapsed_s + time.perf_counter() - started)
                 if delivery.delivered <= self.http_retries:
                     raise TransientError(str(error)) from None
                 return await self._page_out(entry, url, error=str(error), elapsed_s=elapsed_s)
@@ -213,7 +234,9 @@ class FetcherHandler:
             if response.status in REDIRECT_STATUSES and location:
                 url = urljoin(url, location)
                 continue
+            _observe(response, elapsed_s)
             return await self._answer(entry, response, delivery, host, elapsed_s)
+        _observe(response, elapsed_s)
         return await self._page_out(
             entry, url, error=f"more than {self.settings.max_redirects} redirects", elapsed_s=elapsed_s,
         )
@@ -266,3 +289,10 @@ class FetcherHandler:
             subjects.msg_id(Stage.FETCHER, entry.tenant, entry.job_id, entry.fingerprint,
                             entry.generation),
         )
+
+
+def _observe(response: HttpResponse, elapsed_s: float) -> None:
+    """Record a fetch's final answer: duration over all hops (seconds) and body bytes."""
+    status = status_class(response.status)
+    metrics.FETCH_DURATION.labels(status).observe(elapsed_s)
+    metrics.FETCH_RESPONSE_BYTES.labels(status).observe(len(response.body))

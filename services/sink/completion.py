@@ -19,10 +19,11 @@ from shared import subjects
 from shared.contracts import JobCounters, JobEvent, JobEventKind, JobRecord, JobState
 from shared.contracts.base import Contract
 from shared.subjects import Stage
+from shared.telemetry import metrics
 
 
 class Publisher(Protocol):
-    async def publish(self, subject: str, message: Contract, msg_id: str) -> None: ...
+    async def publish(self, subject: str, message: Contract, msg_id: str) -> bool: ...
 
 
 class Jobs(Protocol):
@@ -73,5 +74,6 @@ class CompletionTracker:
             JobEvent(tenant=tenant, job_id=job, kind=JobEventKind.COMPLETED, counters=counts),
             subjects.msg_id(Stage.SINK, tenant, job, "completed"),
         )
-        await self.jobs.transition(tenant, job, JobState.COMPLETED, counts)
+        if await self.jobs.transition(tenant, job, JobState.COMPLETED, counts):
+            metrics.JOBS_COMPLETED.labels(tenant).inc()  # this process completed it
         return True

@@ -30,6 +30,7 @@ from shared.contracts import (
 from shared.contracts.base import Contract
 from shared.jobs import ledger_msg_id
 from shared.subjects import LedgerKind, Stage
+from shared.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,12 @@ UNSUPPORTED_TYPES_OK = ("text/html", "application/xhtml+xml")
 
 
 class Publisher(Protocol):
-    """Publishes with a ``Nats-Msg-Id`` and waits for the PubAck (raises on failure)."""
+    """Publishes with a ``Nats-Msg-Id`` and waits for the PubAck (raises on failure).
 
-    async def publish(self, subject: str, message: Contract, msg_id: str) -> None: ...
+    Returns False if the server reports a duplicate (``msg_id`` already stored), else True.
+    """
+
+    async def publish(self, subject: str, message: Contract, msg_id: str) -> bool: ...
 
 
 class PageStates(Protocol):
@@ -94,6 +98,9 @@ class PageLedger:
                     result: PageResult | None = None, source: str = "") -> None:
         """Advance one page by ``event``; deliver ``result`` first if not yet delivered.
 
+        A result the server stores (not a duplicate of an earlier try) counts once in
+        ``crawlmesh_results_stored_total``.
+
         ``source`` identifies the input message (``<subject>#<stream sequence>``); the one
         that finishes the page is recorded, so only its redelivery republishes the page's
         ledger entries.
@@ -105,10 +112,12 @@ class PageLedger:
                 log.info("no page state for %s/%s/%s: job purged?", tenant, job, fingerprint)
                 return
             if result is not None and not delivered(record.state):
-                await self.publisher.publish(
+                stored = await self.publisher.publish(
                     subjects.results(tenant, job), result,
                     subjects.msg_id(Stage.SINK, tenant, job, fingerprint),
                 )
+                if stored:  # not a duplicate: the one delivery of this page's result
+                    metrics.RESULTS_STORED.labels(tenant, str(result.outcome)).inc()
             to = advance(record.state, event)
             if to is None:
                 if record.state is PageState.FINISHED and record.finished_by == finisher:

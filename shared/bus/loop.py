@@ -11,6 +11,11 @@ For each delivery of a durable pull consumer (explicit ack):
 4. only then ack. Failures become nak-with-delay or dead letter + term, decided by
    :func:`shared.bus.outcomes.decide`.
 
+Each delivery is handled inside a CONSUMER span continuing the trace of its
+``traceparent`` header, and each output carries the context of its own PRODUCER span
+(:mod:`shared.telemetry.tracing`); log lines of a delivery carry its tenant, job and
+trace ids (:mod:`shared.telemetry.logs`).
+
 On stop (SIGTERM) the loop fetches nothing more, lets in-flight handlers finish for up to
 ``shutdown_grace_s`` and naks (without delay) what is still running, so nothing is lost.
 """
@@ -40,15 +45,12 @@ from shared.codec import decode, encode
 from shared.contracts.base import Contract
 from shared.settings import MeshSettings
 from shared.streams import ConsumerSpec
-from shared.telemetry import metrics
+from shared.telemetry import logs, metrics, tracing
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Contract)
 M_contra = TypeVar("M_contra", bound=Contract, contravariant=True)
-
-PASS_HEADERS = ("traceparent", "tracestate")
-"""Headers copied from an input to every output it causes (trace context)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,9 @@ class Outbound:
     """Plain NATS publish (a reply to a requester), not JetStream: no PubAck, no msg id."""
     phase: int = 0
     """Outputs are published phase by phase: all of phase 0 acknowledged before phase 1."""
+    new_trace: bool = False
+    """Start a new trace with this output (a page admitted by dedup): its root span is
+    linked to the current span instead of being its child."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +89,12 @@ class Handler(Protocol[M_contra]):
     async def handle(self, message: M_contra, delivery: Delivery) -> Sequence[Outbound]: ...
 
 
-async def publish_all(
-    js: JetStreamContext, outputs: Sequence[Outbound], inherited: dict[str, str] | None = None
-) -> None:
+async def publish_all(js: JetStreamContext, outputs: Sequence[Outbound]) -> None:
     """Publish ``outputs`` concurrently, each with its ``Nats-Msg-Id``; wait for every PubAck.
 
     Outputs of a lower ``phase`` are all acknowledged before any of a higher one is sent
-    (dedup's frontier and ledger entries land before its expansion report).
+    (dedup's frontier and ledger entries land before its expansion report). Each is sent
+    inside its own PRODUCER span, whose W3C trace context goes in its headers.
 
     Raises:
         TransientError: a publish failed or timed out (the input will be retried; the
@@ -100,11 +104,13 @@ async def publish_all(
         return
 
     async def one(out: Outbound) -> None:
-        if out.core:
-            await js._nc.publish(out.subject, encode(out.message))
-            return
-        headers = {**(inherited or {}), **out.headers, "Nats-Msg-Id": out.msg_id}
-        await js.publish(out.subject, encode(out.message), headers=headers)
+        with tracing.publishing(out.subject, out.msg_id, out.message, out.new_trace) as context:
+            if out.core:
+                await js._nc.publish(out.subject, encode(out.message),
+                                     headers={**out.headers, **context})
+                return
+            headers = {**out.headers, **context, "Nats-Msg-Id": out.msg_id}
+            await js.publish(out.subject, encode(out.message), headers=headers)
 
     for phase in sorted({out.phase for out in outputs}):
         batch = [out for out in outputs if out.phase == phase]
@@ -202,30 +208,36 @@ class ConsumeLoop(Generic[M]):
             published_at=meta.timestamp,
         )
         started = time.perf_counter()
-        heartbeat = asyncio.create_task(self._heartbeat(msg))
-        error: BaseException | None = None
-        try:
-            message = self.decoder(msg.data)
-            if self._fault is not None and self._fault.search(msg.data):
-                raise RuntimeError(f"injected fault (CRAWLMESH_FAULT_INJECT) in {self.spec.stage}")
-            outputs = await self.handler.handle(message, delivery)
-            inherited = {k: v for k, v in headers.items() if k in PASS_HEADERS}
-            await publish_all(self.js, outputs, inherited)
-        except asyncio.CancelledError:
-            heartbeat.cancel()
-            with contextlib.suppress(Exception):
-                await msg.nak()
-            raise
-        except Exception as caught:
-            error = caught
-        finally:
-            heartbeat.cancel()
-        await self._settle(msg, delivery, error)
+        with logs.delivery_context(tenant, job), tracing.consuming(
+            msg.subject, headers, consumer=self.spec.durable, tenant=tenant, job=job,
+            delivered=delivered, stream_seq=delivery.stream_seq,
+        ) as span:
+            heartbeat = asyncio.create_task(self._heartbeat(msg))
+            error: BaseException | None = None
+            try:
+                message = self.decoder(msg.data)
+                if self._fault is not None and self._fault.search(msg.data):
+                    raise RuntimeError(
+                        f"injected fault (CRAWLMESH_FAULT_INJECT) in {self.spec.stage}")
+                outputs = await self.handler.handle(message, delivery)
+                await publish_all(self.js, outputs)
+            except asyncio.CancelledError:
+                heartbeat.cancel()
+                tracing.settled(span, "nak", "cancelled (stopping)")
+                with contextlib.suppress(Exception):
+                    await msg.nak()
+                raise
+            except Exception as caught:
+                error = caught
+            finally:
+                heartbeat.cancel()
+            await self._settle(msg, delivery, error)
         metrics.HANDLER_DURATION.labels(str(self.spec.stage), self.spec.durable).observe(
             time.perf_counter() - started)
 
     async def _settle(self, msg: Msg, delivery: Delivery, error: BaseException | None) -> None:
         outcome = decide(error, delivery.delivered, self.max_deliver, self.settings.backoff_s)
+        tracing.settled(tracing.current_span(), str(outcome.verdict), outcome.reason, error)
         stage, consumer = str(self.spec.stage), self.spec.durable
         metrics.MESSAGES.labels(stage, consumer, delivery.tenant, outcome.verdict).inc()
         if outcome.verdict is Verdict.DEAD_LETTER:

@@ -21,23 +21,24 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from shared import subjects
 from shared.bus.connection import connect
+from shared.cli.progress import JobProgress
 from shared.codec import decode, describe, encode
 from shared.contracts import (
     CrawlRequest,
     JobEvent,
     JobEventKind,
+    JobRecord,
     JobState,
     Scope,
     ScopeMode,
     SeedReply,
 )
-from shared.jobs import JobNotFoundError, JobStore, ledger_counts
+from shared.jobs import JobNotFoundError, JobStore, job_key, ledger_counts
 from shared.settings import MeshSettings
-from shared.streams import events_stream, results_stream
+from shared.streams import JOBS_BUCKET, events_stream, results_stream
 from shared.tenancy import DEFAULT_TENANT, TenantError, TenantRegistry
 
 console = Console(stderr=True)
@@ -74,7 +75,8 @@ async def submit(nc: Client, tenant_id: str, request: CrawlRequest, timeout_s: f
 
 async def wait_for_job(nc: Client, settings: MeshSettings, tenant_id: str, job: str,
                        show: bool) -> JobEvent:
-    """Follow the job's events until it completes or is cancelled, showing progress.
+    """Follow the job's events until it completes or is cancelled, showing progress
+    (:class:`shared.cli.progress.JobProgress`: a bar on a terminal, lines otherwise).
 
     Returns the final event (``completed`` or ``cancelled``).
     """
@@ -83,24 +85,19 @@ async def wait_for_job(nc: Client, settings: MeshSettings, tenant_id: str, job: 
         subjects.events(tenant_id, job), stream=events_stream(tenant_id, settings).name,
         ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
     )
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                        MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
-                        TimeElapsedColumn(), console=console, disable=not show)
-    with progress:
-        task = progress.add_task(f"job {job}", total=None, detail="")
+    budget = None
+    with contextlib.suppress(JobNotFoundError):
+        budget = (await JobStore(js).get(tenant_id, job))[0].request.max_pages
+    with JobProgress.for_console(job, console, show, budget) as progress:
         while True:
             try:
                 msg = await sub.next_msg(timeout=0.5)
             except (NatsTimeoutError, TimeoutError):
-                counts = await ledger_counts(js, tenant_id, job)
-                progress.update(task, total=max(counts.admitted, 1), completed=counts.finished,
-                                detail=f"failed {counts.failed}")
+                progress.update(await ledger_counts(js, tenant_id, job))
                 continue
             event = decode(msg.data, JobEvent)
             if event.kind in (JobEventKind.COMPLETED, JobEventKind.CANCELLED):
-                progress.update(task, total=max(event.counters.admitted, 1),
-                                completed=event.counters.finished,
-                                detail=f"failed {event.counters.failed}")
+                progress.update(event.counters, final=True)
                 await sub.unsubscribe()
                 return event
 
@@ -295,16 +292,41 @@ def as_tenant(tenant: str, work: Callable[[Client, MeshSettings, str], Awaitable
         raise typer.Exit(1) from None
 
 
+async def _ended_record(js: JetStreamContext, tenant_id: str, job: str,
+                        timeout_s: float = 5.0) -> JobRecord:
+    """The job's record once it is no longer running (it changes just after the final
+    event), or as it is after ``timeout_s`` seconds."""
+    watcher = await (await js.key_value(JOBS_BUCKET)).watch(job_key(tenant_id, job))
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for entry in watcher:
+                record = decode(entry.value, JobRecord) if entry and entry.value else None
+                if record is not None and record.state is not JobState.RUNNING:
+                    return record
+    except TimeoutError:
+        pass
+    finally:
+        await watcher.stop()
+    return (await JobStore(js).get(tenant_id, job))[0]
+
+
 def status(
     job: str | None = typer.Argument(None, help="Job id (all jobs when omitted)."),
     tenant: str = typer.Option(DEFAULT_TENANT, help="Tenant name or id."),
+    follow: bool = typer.Option(False, "--follow",
+                                help="Show the job's progress until it ends, then its status."),
 ) -> None:
     """Show a job's state and counters, or list the tenant's jobs (JSON lines)."""
+    if follow and job is None:
+        raise typer.BadParameter("needs a JOB", param_hint="--follow")
 
     async def show(nc: Client, settings: MeshSettings, tenant_id: str) -> None:
         js = nc.jetstream()
         store = JobStore(js)
         records = [(await store.get(tenant_id, job))[0]] if job else await store.all(tenant_id)
+        if follow and job and records[0].state is JobState.RUNNING:
+            await wait_for_job(nc, settings, tenant_id, job, show=True)
+            records = [await _ended_record(js, tenant_id, job)]
         for record in records:
             counts = record.counters or await ledger_counts(js, tenant_id, record.job_id)
             typer.echo(orjson.dumps({
@@ -314,7 +336,10 @@ def status(
                 "seeds": list(record.request.seeds), **counts.model_dump(),
             }).decode())
 
-    as_tenant(tenant, show)
+    try:
+        as_tenant(tenant, show)
+    except KeyboardInterrupt:  # stop watching; the job goes on
+        raise typer.Exit(130) from None
 
 
 def cancel(

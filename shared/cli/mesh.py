@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import logging
 import os
 import signal
 import socket
@@ -24,10 +23,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from shared.bus.connection import connect
-from shared.bus.service import LoopSpec, run_service
+from shared.bus.service import Beside, LoopSpec, run_service
 from shared.launcher import SERVICES, EmbeddedMesh, MeshError, file_lock, running_mesh
 from shared.settings import MeshSettings
 from shared.streams import ensure_mesh, ensure_tenant
+from shared.telemetry.logs import setup_logging
 from shared.tenancy import DEFAULT_TENANT, TenantRegistry
 
 console = Console(stderr=True)
@@ -81,14 +81,21 @@ def service(name: str = typer.Argument(..., help=f"One of: {', '.join(SERVICES)}
     setups = _setups()
     if name not in setups:
         raise typer.BadParameter(f"unknown service {name!r}; expected one of {', '.join(SERVICES)}")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    setup_logging(name)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:  # pragma: no cover - non-Linux
         pass
-    asyncio.run(run_service(name, MeshSettings(), setups[name]))
+    asyncio.run(run_service(name, MeshSettings(), setups[name], beside=_beside(name)))
+
+
+def _beside(name: str) -> Sequence[Beside]:
+    """Tasks service ``name`` runs beside its loops (the sink: the JetStream gauges)."""
+    from services.sink.main import BESIDE as sink
+
+    return {"sink": sink}.get(name, ())
 
 
 def start_embedded(settings: MeshSettings, auto: bool = False) -> EmbeddedMesh:
@@ -225,6 +232,8 @@ def up(
             raise typer.Exit(1) from None
         _say(f"mesh up: nats {mesh.url}, services {', '.join(SERVICES)}; "
              f"state in {settings.home}; Ctrl-C stops")
+        if metrics := mesh.metrics_urls():
+            _say("metrics: " + ", ".join(f"{name} {url}/metrics" for name, url in metrics.items()))
         try:
             while not stop.wait(0.5):
                 for name in mesh.supervise_once():

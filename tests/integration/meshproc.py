@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -22,9 +24,30 @@ TEST_ENV = {
 }
 
 
+def free_port_range(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports that were all free a moment ago, below
+    the ephemeral range (so outgoing connections do not take them meanwhile)."""
+    for _ in range(200):
+        base = random.randrange(20000, 30000 - count)
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise AssertionError(f"no {count} consecutive free ports on {host}")
+
+
 @dataclass
 class MeshProcess:
-    """`crawlmesh up` started with its own home folder and port."""
+    """`crawlmesh up` started with its own home folder, NATS port and metrics ports (a
+    free range, so meshes of tests running at once do not collide)."""
 
     home: Path
     env: dict[str, str] = field(default_factory=dict)
@@ -37,6 +60,7 @@ class MeshProcess:
         self.env = {**os.environ, **TEST_ENV, **self.env,
                     "CRAWLMESH_HOME": str(self.home),
                     "CRAWLMESH_NATS_URL": f"nats://127.0.0.1:{self.port}"}
+        self.env.setdefault("CRAWLMESH_METRICS_BASE_PORT", str(free_port_range(10)))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "shared.cli.main", "up"], env=self.env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -52,6 +76,11 @@ class MeshProcess:
 
         wait_for(ready, 60, "the embedded mesh")
         return self
+
+    @property
+    def metrics(self) -> dict[str, str]:
+        """``{process name: "http://host:port"}`` of each service's metrics endpoint."""
+        return dict(json.loads((self.home / "mesh.json").read_text()).get("metrics", {}))
 
     @property
     def settings(self) -> MeshSettings:

@@ -205,7 +205,21 @@ async def _drained(settings: MeshSettings) -> bool:
         await nc.close()
 
 
-def test_cancel_stops_a_running_crawl(mesh: MeshProcess, sites: Sites) -> None:
+def test_completed_crawl_wait_printed_progress_lines(completed: Completed) -> None:
+    """Not a terminal: plain lines (the final state at least), no bar."""
+    assert f"job {completed.job}: 4 done, 0 queued, 0 failed" in completed.run.stderr
+
+
+def test_status_follow_of_an_ended_job_prints_its_status_at_once(
+    completed: Completed, mesh: MeshProcess,
+) -> None:
+    run = crawlmesh(mesh, "status", completed.job, "--follow")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["state"] == "completed"
+    assert crawlmesh(mesh, "status", "--follow").returncode == 2  # which job?
+
+
+def test_cancel_stops_a_running_crawl(mesh: MeshProcess, sites: Sites, tmp_path: Path) -> None:
     submitted = crawlmesh(mesh, "crawl", sites.slow.url("/"))
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip()
@@ -213,9 +227,22 @@ def test_cancel_stops_a_running_crawl(mesh: MeshProcess, sites: Sites) -> None:
 
     wait_for(lambda: "/hold" in sites.slow.requests, 30, "the crawl to reach /hold")
     assert status_of(mesh, job)["state"] == "running"
-    cancelled = crawlmesh(mesh, "cancel", job)
-    assert cancelled.returncode == 0, cancelled.stderr
-    assert f"job {job} cancelled" in cancelled.stderr
+    progress = tmp_path / "follow.err"
+    with progress.open("wb") as stderr:
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli.main", "status", job, "--follow"],
+            cwd=REPO_ROOT, env=mesh.env, stdout=subprocess.PIPE, stderr=stderr)
+    try:
+        wait_for(lambda: f"job {job}: " in progress.read_text(), 30, "status --follow to show progress")
+        cancelled = crawlmesh(mesh, "cancel", job)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert f"job {job} cancelled" in cancelled.stderr
+        followed, _ = follow.communicate(timeout=30)
+    finally:
+        follow.kill()
+    assert follow.returncode == 0, progress.read_text()
+    assert json.loads(followed)["state"] == "cancelled"
+    assert " queued, 0 failed" in progress.read_text()
     sites.release.set()
 
     shown = status_of(mesh, job)
