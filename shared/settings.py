@@ -52,6 +52,10 @@ class MeshSettings(BaseSettings):
     )
     body_ttl_s: float = Field(86400, description="TTL of bodies kept in the Object Store.")
 
+    tenant_creds_ttl_s: float = Field(
+        365 * 86400, gt=0, description="Life of a tenant user's creds (JWT expiry), seconds."
+    )
+
     # Consumers
     max_deliver: int = Field(5, ge=1, description="Deliveries before a message is dead-lettered.")
     backoff_s: Annotated[tuple[float, ...], NoDecode] = Field(
@@ -127,6 +131,15 @@ class MeshSettings(BaseSettings):
     def duplicate_window_s(self) -> float:
         """Duplicate window of every stage stream: at least the redelivery horizon, >= 2 min."""
         return max(120.0, 2 * self.redelivery_horizon_s)
+
+    @property
+    def creds_path(self) -> Path | None:
+        """Creds file of the services' NATS user: ``nats_creds`` if set, else the MESH user's
+        ``<home>/creds/mesh.creds`` if ``crawlmesh init`` wrote one, else None (no auth)."""
+        if self.nats_creds is not None:
+            return self.nats_creds
+        default = self.home / "creds" / "mesh.creds"
+        return default if default.exists() else None
 
     @property
     def store_dir(self) -> Path:

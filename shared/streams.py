@@ -104,21 +104,66 @@ def intake_stream(tenant: str) -> StreamSpec:
                       description=f"seed submissions of tenant {tenant}")
 
 
-def results_stream(tenant: str, settings: MeshSettings) -> StreamSpec:
-    """The tenant's RESULTS stream (one result per page)."""
-    return StreamSpec(
-        f"RESULTS_{tenant}", (f"tenant.{tenant}.results.>",), work_queue=False,
-        max_age_s=settings.results_max_age_s, max_bytes=settings.tenant_results_max_bytes,
-        description=f"page results of tenant {tenant}",
+RESULTS = "RESULTS"
+EVENTS = "EVENTS"
+"""Stream names inside each tenant's own account (one account per tenant, so no suffix)."""
+
+
+def events_reserve_bytes(storage_bytes: int) -> int:
+    """Bytes of a tenant's storage quota kept for its EVENTS stream: a tenant whose RESULTS
+    are full must still receive the event saying so. 1/16 of the quota, 64 KiB..16 MiB."""
+    return max(min(storage_bytes // 16, 16 << 20), min(64 << 10, storage_bytes // 2))
+
+
+def tenant_stream_config(stream: str, settings: MeshSettings, storage_bytes: int) -> StreamConfig:
+    """RESULTS or EVENTS in a tenant's account, sized from its storage quota.
+
+    RESULTS gets the quota minus :func:`events_reserve_bytes`, EVENTS the reserve. Discard
+    NEW (a full stream refuses, never drops old results), no roll-ups, TTLs or schedules;
+    tenants may delete messages and purge, not change the configuration (their user
+    permissions deny it; the sink checks).
+    """
+    reserve = events_reserve_bytes(storage_bytes)
+    if stream == RESULTS:
+        subjects_, max_bytes = ["crawl.results.>"], max(storage_bytes - reserve, 1)
+    elif stream == EVENTS:
+        subjects_, max_bytes = ["crawl.events.>"], max(reserve, 1)
+    else:
+        raise ValueError(f"not a tenant stream: {stream!r}")
+    return StreamConfig(
+        name=stream,
+        description=f"{stream.lower()} of this tenant (written by crawlmesh)",
+        subjects=subjects_,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=settings.replicas,
+        max_bytes=max_bytes,
+        max_age=settings.results_max_age_s,
+        discard=DiscardPolicy.NEW,
+        duplicate_window=settings.duplicate_window_s,
+        allow_rollup_hdrs=False,
+        allow_msg_ttl=False,
+        allow_msg_schedules=False,
+        deny_purge=False,
+        deny_delete=False,
     )
 
 
-def events_stream(tenant: str, settings: MeshSettings) -> StreamSpec:
-    """The tenant's EVENTS stream (job started / progress / completed)."""
-    return StreamSpec(
-        f"EVENTS_{tenant}", (f"tenant.{tenant}.events.>",), work_queue=False,
-        max_age_s=settings.results_max_age_s, description=f"job events of tenant {tenant}",
-    )
+def tenant_stream_problem(config: StreamConfig, expected: StreamConfig) -> str | None:
+    """Why a tenant stream's configuration is unsafe to write into, or None.
+
+    A tenant stream must discard NEW (else a full stream silently drops old results),
+    listen on its subjects, and allow no roll-ups, TTLs or schedules.
+    """
+    if config.discard != DiscardPolicy.NEW:
+        return f"stream {config.name} discards {config.discard}, not new"
+    if sorted(config.subjects or []) != sorted(expected.subjects or []):
+        return f"stream {config.name} listens on {config.subjects}, not {expected.subjects}"
+    if config.allow_rollup_hdrs or config.allow_msg_ttl or config.allow_msg_schedules:
+        return f"stream {config.name} allows roll-ups, TTLs or schedules"
+    if config.retention != RetentionPolicy.LIMITS:
+        return f"stream {config.name} has retention {config.retention}, not limits"
+    return None
 
 
 def bodies_bucket(tenant: str) -> str:
@@ -143,6 +188,16 @@ MESH_CONSUMERS: tuple[ConsumerSpec, ...] = (
 
 def seeder_consumer(tenant: str) -> ConsumerSpec:
     return ConsumerSpec(intake_stream(tenant).name, "seeder", Stage.SEEDER)
+
+
+def parked_consumer(tenant: str) -> ConsumerSpec:
+    """The sink's consumer of one tenant's parked results: one in flight at a time (the
+    head probes whether the tenant has room again), redelivered without limit."""
+    return ConsumerSpec(
+        PARKED.name, f"sink-parked-{tenant}", Stage.SINK,
+        filter_subject=f"mesh.parked.{tenant}.>", unlimited_deliveries=True,
+        extra={"max_ack_pending": 1},
+    )
 
 
 # ---- building configs --------------------------------------------------------------------
@@ -182,11 +237,11 @@ def stream_config(spec: StreamSpec, settings: MeshSettings) -> StreamConfig:
 def consumer_config(spec: ConsumerSpec, settings: MeshSettings) -> ConsumerConfig:
     """Durable pull consumer, explicit ack, ``max_deliver`` and backoff from settings."""
     if spec.unlimited_deliveries:
-        return ConsumerConfig(
-            durable_name=spec.durable, ack_policy="explicit", max_deliver=-1,
-            ack_wait=30.0, max_ack_pending=settings.max_ack_pending,
-            filter_subject=spec.filter_subject,
-        )
+        return ConsumerConfig(**{
+            "durable_name": spec.durable, "ack_policy": "explicit", "max_deliver": -1,
+            "ack_wait": 30.0, "max_ack_pending": settings.max_ack_pending,
+            "filter_subject": spec.filter_subject, **spec.extra,  # type: ignore[arg-type]
+        })
     return ConsumerConfig(
         durable_name=spec.durable,
         ack_policy="explicit",
@@ -246,12 +301,12 @@ async def ensure_kv(
 
 
 async def ensure_tenant(js: JetStreamContext, tenant: str, settings: MeshSettings) -> None:
-    """Create or update a tenant's intake stream and seeder consumer, RESULTS, EVENTS
-    streams and its body Object Store bucket. Idempotent."""
+    """Create or update the MESH side of a tenant: its intake stream and seeder consumer,
+    the sink's parked-results consumer, and its body Object Store bucket. Idempotent.
+    (RESULTS and EVENTS live in the tenant's own account: :func:`ensure_tenant_streams`.)"""
     await ensure_stream(js, intake_stream(tenant), settings)
     await ensure_consumer(js, seeder_consumer(tenant), settings)
-    await ensure_stream(js, results_stream(tenant, settings), settings)
-    await ensure_stream(js, events_stream(tenant, settings), settings)
+    await ensure_consumer(js, parked_consumer(tenant), settings)
     try:
         await js.object_store(bodies_bucket(tenant))
     except (NotFoundError, BadRequestError):
@@ -262,6 +317,51 @@ async def ensure_tenant(js: JetStreamContext, tenant: str, settings: MeshSetting
                 storage=StorageType.FILE if settings.storage == "file" else StorageType.MEMORY,
             ),
         )
+
+
+async def ensure_tenant_streams(
+    tenant_js: JetStreamContext, settings: MeshSettings, storage_bytes: int,
+) -> None:
+    """Create or resize RESULTS and EVENTS in a tenant's account (``tenant_js`` is a
+    connection of that account). Lowering below current use keeps every message and
+    refuses new ones until use falls. Idempotent."""
+    for stream in (RESULTS, EVENTS):
+        config = tenant_stream_config(stream, settings, storage_bytes)
+        try:
+            await tenant_js.stream_info(stream)
+        except NotFoundError:
+            await tenant_js.add_stream(config)
+            continue
+        await tenant_js.update_stream(config)
+
+
+async def remove_tenant(js: JetStreamContext, tenant: str) -> None:
+    """Delete the MESH side of a tenant: its intake stream, parked consumer, body bucket,
+    and its messages in every stage stream, the dead letters, parked results and ledger."""
+    for name in (intake_stream(tenant).name,):
+        try:
+            await js.delete_stream(name)
+        except NotFoundError:
+            pass
+    try:
+        await js.delete_consumer(PARKED.name, parked_consumer(tenant).durable)
+    except NotFoundError:
+        pass
+    filters = {
+        LINKS.name: f"mesh.links.{tenant}.>", FRONTIER.name: f"mesh.frontier.*.{tenant}.>",
+        FETCHED.name: f"mesh.fetched.{tenant}.>", PARSED.name: f"mesh.parsed.{tenant}.>",
+        EXPANDED.name: f"mesh.expanded.{tenant}.>", DLQ.name: f"mesh.dlq.*.{tenant}.>",
+        LEDGER.name: f"mesh.ledger.{tenant}.>", PARKED.name: f"mesh.parked.{tenant}.>",
+    }
+    for stream, subject in filters.items():
+        try:
+            await js.purge_stream(stream, subject=subject)
+        except NotFoundError:
+            pass
+    try:
+        await js.delete_object_store(bodies_bucket(tenant))
+    except (NotFoundError, BadRequestError):
+        pass
 
 
 async def verify(js: JetStreamContext, consumers: tuple[ConsumerSpec, ...]) -> None:

@@ -1,22 +1,23 @@
-"""The tenant registry: tenant names mapped to opaque ids shaped like NATS account keys.
+"""The tenant registry: tenant names mapped to account ids, with status and quota.
 
-A tenant id is the public key of an nkeys account key pair (``A`` + 55 base32 characters),
-so the tenant can become a real NATS account (its JWT subject) without renaming any subject.
-The registry lives in the ``tenants`` KV bucket (keys ``name.<name>`` -> id and
-``id.<id>`` -> name). The account's private seed is written to
-``<home>/keys/<id>.nk`` with mode 0600 and never leaves that folder.
+A tenant id is the public key of the tenant's NATS account (``A`` + 55 base32 characters),
+so subjects never need renaming. The registry lives in the MESH account's ``tenants`` KV
+bucket: ``name.<name>`` -> id and ``tenant.<id>`` -> :class:`TenantRecord` (JSON). Only the
+control plane (:mod:`shared.accounts.control`, ``crawlmesh tenant …``) writes it; services
+read it (the seeder and sink find tenants here; the seeder enforces the crawl limits).
 """
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
+from datetime import UTC, datetime
+from enum import StrEnum
 
-import nkeys
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError
+from pydantic import BaseModel, ConfigDict, Field
 
+from shared.accounts.claims import TenantQuota
 from shared.streams import TENANTS_BUCKET
 
 DEFAULT_TENANT = "default"
@@ -24,7 +25,25 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
 class TenantError(ValueError):
-    """An unknown tenant or an invalid tenant name."""
+    """An unknown tenant, an invalid tenant name, or a tenant in the wrong state."""
+
+
+class TenantStatus(StrEnum):
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+
+
+class TenantRecord(BaseModel):
+    """A tenant as the registry holds it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    id: str
+    status: TenantStatus = TenantStatus.ACTIVE
+    quota: TenantQuota = Field(default_factory=TenantQuota)
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
 def check_name(name: str) -> str:
@@ -38,51 +57,37 @@ def check_name(name: str) -> str:
     return name
 
 
-def mint_account_key() -> tuple[str, bytes]:
-    """A new ed25519 account key pair: ``(public key, private seed)`` in nkeys encoding."""
-    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT)
-    pair = nkeys.from_seed(bytearray(seed))
-    return pair.public_key.decode(), seed
+def looks_like_id(value: str) -> bool:
+    return value.startswith("A") and len(value) == 56
 
 
 class TenantRegistry:
-    """Maps tenant names to ids, in the ``tenants`` KV bucket."""
+    """Reads (and, for the control plane, writes) tenant records in the ``tenants`` bucket."""
 
-    def __init__(self, js: JetStreamContext, home: Path | None = None) -> None:
+    def __init__(self, js: JetStreamContext) -> None:
         self.js = js
-        self.home = home
 
     async def _kv(self):  # type: ignore[no-untyped-def]
         return await self.js.key_value(TENANTS_BUCKET)
 
-    async def ensure(self, name: str) -> str:
-        """Return the id of tenant ``name``, registering it first if it is new.
-
-        Concurrent callers agree on one id (create-if-absent on ``name.<name>``).
+    async def get(self, name_or_id: str) -> TenantRecord:
+        """The record of a tenant given its name or id.
 
         Raises:
-            TenantError: invalid name.
+            TenantError: no such tenant.
         """
-        check_name(name)
         kv = await self._kv()
+        tenant_id = name_or_id
+        if not looks_like_id(name_or_id):
+            try:
+                tenant_id = (await kv.get(f"name.{name_or_id}")).value.decode()
+            except KeyNotFoundError:
+                raise TenantError(f"unknown tenant {name_or_id!r}") from None
         try:
-            return (await kv.get(f"name.{name}")).value.decode()  # type: ignore[union-attr]
+            entry = await kv.get(f"tenant.{tenant_id}")
         except KeyNotFoundError:
-            pass
-        tenant_id, seed = mint_account_key()
-        try:
-            await kv.create(f"name.{name}", tenant_id.encode())
-        except KeyWrongLastSequenceError:
-            return (await kv.get(f"name.{name}")).value.decode()  # type: ignore[union-attr]
-        await kv.put(f"id.{tenant_id}", name.encode())
-        if self.home is not None:
-            keys = self.home / "keys"
-            keys.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path = keys / f"{tenant_id}.nk"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(seed)
-        return tenant_id
+            raise TenantError(f"unknown tenant {name_or_id!r}") from None
+        return TenantRecord.model_validate_json(entry.value or b"")
 
     async def resolve(self, name_or_id: str) -> str:
         """The id of a tenant given its name or id.
@@ -90,30 +95,40 @@ class TenantRegistry:
         Raises:
             TenantError: no such tenant.
         """
-        kv = await self._kv()
-        key = f"id.{name_or_id}" if name_or_id.startswith("A") and len(name_or_id) == 56 else None
-        if key:
-            try:
-                await kv.get(key)
-                return name_or_id
-            except KeyNotFoundError:
-                pass
-        try:
-            return (await kv.get(f"name.{name_or_id}")).value.decode()  # type: ignore[union-attr]
-        except KeyNotFoundError:
-            raise TenantError(f"unknown tenant {name_or_id!r}") from None
+        return (await self.get(name_or_id)).id
 
-    async def all(self) -> dict[str, str]:
-        """Every registered tenant as ``{name: id}``."""
+    async def records(self) -> list[TenantRecord]:
+        """Every registered tenant, by name."""
         kv = await self._kv()
         try:
             keys = await kv.keys()
         except NoKeysError:
-            return {}
-        out: dict[str, str] = {}
+            return []
+        out = []
         for key in keys:
-            if not key.startswith("name."):
-                continue
-            entry = await kv.get(key)
-            out[key.removeprefix("name.")] = (entry.value or b"").decode()
-        return out
+            if key.startswith("tenant."):
+                try:
+                    entry = await kv.get(key)
+                except KeyNotFoundError:
+                    continue
+                out.append(TenantRecord.model_validate_json(entry.value or b""))
+        return sorted(out, key=lambda record: record.name)
+
+    async def all(self) -> dict[str, str]:
+        """Every registered tenant as ``{name: id}``."""
+        return {record.name: record.id for record in await self.records()}
+
+    async def put(self, record: TenantRecord) -> None:
+        """Write ``record`` (control plane only)."""
+        kv = await self._kv()
+        await kv.put(f"tenant.{record.id}", record.model_dump_json().encode())
+        await kv.put(f"name.{record.name}", record.id.encode())
+
+    async def delete(self, record: TenantRecord) -> None:
+        """Remove ``record`` (control plane only)."""
+        kv = await self._kv()
+        for key in (f"name.{record.name}", f"tenant.{record.id}"):
+            try:
+                await kv.purge(key)
+            except KeyNotFoundError:
+                pass

@@ -16,6 +16,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from shared import streams, subjects
+from shared.accounts.control import TenantControl
+from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.natsserver import EmbeddedServer, write_config
 from shared.settings import MeshSettings
@@ -36,9 +38,13 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    """A JetStream-enabled nats-server on a free port, stopped (SIGTERM) at teardown."""
+    """A JetStream-enabled nats-server in operator mode (operator, SYS and MESH minted into
+    ``tmp_path``, full resolver) on a free port, stopped (SIGTERM) at teardown."""
     state = tmp_path / "nats"
-    config = write_config(state / "nats.conf", store_dir=state / "jetstream", port=-1)
+    keys = KeyStore(tmp_path)
+    keys.init_operator()
+    config = write_config(state / "nats.conf", store_dir=state / "jetstream", port=-1,
+                          extra=keys.server_config())
     server = EmbeddedServer(config=config, log_path=state / "nats.log")
     server.start()
     try:
@@ -65,8 +71,16 @@ def settings(nats_server: EmbeddedServer, tmp_path: Path) -> MeshSettings:
 
 
 @pytest.fixture
-def tenant() -> str:
-    return TEST_TENANT
+async def tenant(settings: MeshSettings) -> str:
+    """The id of a real tenant account ``test`` (RESULTS, EVENTS, intake, creds file in
+    ``<home>/creds/tenants/test.creds``), created through the control plane."""
+    client = await connect(settings, name="crawlmesh-test-init")
+    try:
+        await streams.ensure_mesh(client.jetstream(), settings)
+    finally:
+        await client.close()
+    async with TenantControl.open(settings) as control:
+        return (await control.ensure("test")).id
 
 
 @pytest.fixture
@@ -77,12 +91,9 @@ def job() -> str:
 
 @pytest.fixture
 async def nc(settings: MeshSettings, tenant: str) -> AsyncIterator[Client]:
-    """A client connected to the test server, with the MESH and tenant streams ensured."""
+    """A MESH client connected to the test server, with the MESH and tenant streams ensured."""
     client = await connect(settings, name="crawlmesh-test")
     try:
-        js = client.jetstream()
-        await streams.ensure_mesh(js, settings)
-        await streams.ensure_tenant(js, tenant, settings)
         yield client
     finally:
         await client.close()

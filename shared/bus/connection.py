@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import logging
+from pathlib import Path
 
 import nats
+import nkeys
 from nats.aio.client import Client
 
 from shared.settings import MeshSettings
@@ -12,13 +15,18 @@ from shared.settings import MeshSettings
 log = logging.getLogger(__name__)
 
 
-async def connect(settings: MeshSettings, name: str, *, persistent: bool = True) -> Client:
+async def connect(
+    settings: MeshSettings, name: str, *, persistent: bool = True,
+    creds: Path | None = None, user: tuple[str, bytes] | None = None,
+) -> Client:
     """Connect to ``settings.nats_url`` as client ``name``.
 
     A ``persistent`` client (a service) retries the first connection and reconnects
     forever; a command-line client gives up after a few attempts (about 3 s), so a missing
     server is reported instead of waited for. Uses ``settings.nats_creds`` (a user creds
-    file) when set, so operator mode is a setting.
+    file) when set, else ``<home>/creds/mesh.creds`` when ``crawlmesh init`` wrote one, so
+    operator mode is a setting. ``creds`` connects with another creds file (a tenant's);
+    ``user`` with an in-memory ``(user JWT, nkey seed)`` that never touches the disk.
 
     Raises:
         nats.errors.NoServersError: no server reachable (non-persistent clients).
@@ -34,10 +42,24 @@ async def connect(settings: MeshSettings, name: str, *, persistent: bool = True)
     async def on_reconnect() -> None:
         log.info("reconnected to nats")
 
+    auth: dict[str, object] = {}
+    if user is not None:
+        token, seed = user
+
+        def user_jwt() -> bytearray:
+            return bytearray(token.encode())
+
+        def sign(nonce: str) -> bytes:
+            return base64.b64encode(nkeys.from_seed(bytearray(seed)).sign(nonce.encode()))
+
+        auth = {"user_jwt_cb": user_jwt, "signature_cb": sign}
+    else:
+        path = creds or settings.creds_path
+        auth = {"user_credentials": str(path) if path else None}
     return await nats.connect(
         servers=[url.strip() for url in settings.nats_url.split(",")],
         name=name,
-        user_credentials=str(settings.nats_creds) if settings.nats_creds else None,
+        **auth,  # type: ignore[arg-type]
         connect_timeout=settings.nats_connect_timeout_s,
         max_reconnect_attempts=-1 if persistent else 3,
         reconnect_time_wait=1.0,

@@ -26,9 +26,12 @@ from shared.bus.connection import connect
 from shared.bus.service import Beside, LoopSpec, run_service
 from shared.launcher import SERVICES, EmbeddedMesh, MeshError, file_lock, running_mesh
 from shared.settings import MeshSettings
-from shared.streams import ensure_mesh, ensure_tenant
+from shared.accounts.control import TenantControl
+from shared.accounts.keystore import KeyStore
+from shared.natsserver import write_config
+from shared.streams import ensure_mesh
 from shared.telemetry.logs import setup_logging
-from shared.tenancy import DEFAULT_TENANT, TenantRegistry
+from shared.tenancy import DEFAULT_TENANT
 
 console = Console(stderr=True)
 
@@ -46,34 +49,48 @@ def _setups() -> dict[str, Callable[[Client, MeshSettings], Awaitable[Sequence[L
 async def initialise(
     settings: MeshSettings, tenants: Sequence[str] = (DEFAULT_TENANT,)
 ) -> dict[str, str]:
-    """Create or update every stream, consumer and bucket, and register ``tenants``.
+    """Create or update every MESH stream, consumer and bucket, re-push MESH's JWT, and
+    add ``tenants`` (accounts with RESULTS, EVENTS and a creds file) if missing.
 
     Returns ``{tenant name: tenant id}``. Idempotent.
     """
     nc = await connect(settings, name="crawlmesh-init", persistent=False)
     try:
-        js = nc.jetstream()
-        await ensure_mesh(js, settings)
-        registry = TenantRegistry(js, settings.home)
-        ids: dict[str, str] = {}
-        for name in tenants:
-            ids[name] = await registry.ensure(name)
-            await ensure_tenant(js, ids[name], settings)
-        return ids
+        await ensure_mesh(nc.jetstream(), settings)
     finally:
         await nc.close()
+    ids: dict[str, str] = {}
+    async with TenantControl.open(settings) as control:
+        await control.ensure_mesh_jwt()
+        for name in tenants:
+            ids[name] = (await control.ensure(name)).id
+    return ids
 
 
 def init() -> None:
-    """Create streams, consumers, KV buckets and the default tenant on the configured NATS."""
+    """Mint the operator, SYS and MESH keys and JWTs (once) and write the nats-server
+    config; then, if NATS answers, create streams, consumers, buckets and the default tenant."""
     settings = MeshSettings()
+    keys = KeyStore(settings.home)
+    keys.init_operator()
+    parts = urlsplit(settings.nats_url.split(",")[0].strip())
+    config = write_config(
+        settings.home / "nats-server.conf", store_dir=settings.store_dir,
+        host=parts.hostname or "127.0.0.1", port=parts.port or 4222, extra=keys.server_config(),
+    )
+    console.print(f"operator keys and JWTs in {settings.home}; nats-server config: {config}")
+    if not _reachable(settings.nats_url):
+        console.print(f"no NATS at {settings.nats_url}: start nats-server with that config "
+                      "(or `crawlmesh up`), then run `crawlmesh init` again")
+        return
     try:
         ids = asyncio.run(initialise(settings))
     except (nats.errors.NoServersError, OSError) as error:
         _say(f"[red]cannot reach NATS at {settings.nats_url}:[/] {escape(str(error))}")
         raise typer.Exit(1) from None
     for name, tenant_id in ids.items():
-        console.print(f"tenant [bold]{name}[/]: {tenant_id}")
+        console.print(f"tenant [bold]{name}[/]: {tenant_id} "
+                      f"(creds: {keys.tenant_creds(name)})")
 
 
 def service(name: str = typer.Argument(..., help=f"One of: {', '.join(SERVICES)}")) -> None:
