@@ -126,10 +126,10 @@ def _subject_matches(pattern: str, subject: str) -> bool:
 
 
 def _stream_specs() -> tuple[tuple[streams.StreamSpec, ...], tuple[streams.ConsumerSpec, ...]]:
-    settings = MeshSettings.model_construct()  # defaults only: the document ignores the env
     specs = (*streams.MESH_STREAMS, streams.intake_stream(_TENANT),
-             streams.results_stream(_TENANT, settings), streams.events_stream(_TENANT, settings))
-    return specs, (*streams.MESH_CONSUMERS, streams.seeder_consumer(_TENANT))
+             streams.TENANT_RESULTS, streams.TENANT_EVENTS)
+    return specs, (*streams.MESH_CONSUMERS, streams.seeder_consumer(_TENANT),
+                   streams.parked_consumer(_TENANT))
 
 
 def _service_of(consumer: streams.ConsumerSpec) -> str:
@@ -144,7 +144,7 @@ def _stream_doc(spec: streams.StreamSpec, consumers: list[streams.ConsumerSpec])
         "retention": retention.value,
         "description": _slots(spec.description),
         "perSubjectCap": spec.per_subject_cap,
-        "consumers": [{"durable": c.durable, "stage": str(c.stage), "service": _service_of(c)}
+        "consumers": [{"durable": _slots(c.durable), "stage": str(c.stage), "service": _service_of(c)}
                       for c in consumers],
     }
 
@@ -188,6 +188,9 @@ def asyncapi() -> dict[str, Any]:
             names = re.findall(r"\{(\w+)\}", channel["address"])
             channel["parameters"] = {n: _ref("components", "parameters", n) for n in names}
         captured = ch.mesh_subject or ch.subject or ""
+        if captured.startswith("tenant."):  # MESH's import of the tenant's export
+            _, _, kind, job = captured.split(".")
+            captured = f"crawl.{kind}.{job}"
         spec = next((s for s in specs for p in s.subjects if _subject_matches(p, captured)), None)
         consumers = [c for c in all_consumers if spec and c.stream == spec.name]
         if spec is not None:

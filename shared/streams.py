@@ -109,6 +109,17 @@ EVENTS = "EVENTS"
 """Stream names inside each tenant's own account (one account per tenant, so no suffix)."""
 
 
+TENANT_RESULTS = StreamSpec(
+    RESULTS, ("crawl.results.>",), work_queue=False,
+    description="page results, in the tenant's own account (MESH writes via tenant.<tenant>.results.>)",
+)
+TENANT_EVENTS = StreamSpec(
+    EVENTS, ("crawl.events.>",), work_queue=False,
+    description="job events, in the tenant's own account (MESH writes via tenant.<tenant>.events.>)",
+)
+"""RESULTS and EVENTS as documented (:mod:`shared.asyncapi`); configs: :func:`tenant_stream_config`."""
+
+
 def events_reserve_bytes(storage_bytes: int) -> int:
     """Bytes of a tenant's storage quota kept for its EVENTS stream: a tenant whose RESULTS
     are full must still receive the event saying so. 1/16 of the quota, 64 KiB..16 MiB."""

@@ -5,25 +5,18 @@
 JetStream state. With several sink replicas each publishes the same values, so queries
 aggregate with ``max by (stream, consumer)`` / ``max by (tenant)``.
 
-**With what access.** Today every stream lives in the MESH account, and the sink's MESH
-user reads, every ``MeshSettings.metrics_refresh_s`` seconds, through MESH's JetStream API:
+**With what access.** The sink's MESH user reads, every ``MeshSettings.metrics_refresh_s``
+seconds:
 
 - ``$JS.API.CONSUMER.INFO.<stream>.<durable>`` for each MESH consumer
   (:data:`shared.streams.MESH_CONSUMERS`): ``num_pending`` ->
   ``crawlmesh_consumer_pending_messages``, ``num_ack_pending`` ->
   ``crawlmesh_consumer_ack_pending_messages``;
-- ``$JS.API.STREAM.INFO.RESULTS_<tenant>`` and ``EVENTS_<tenant>`` for each registered
-  tenant: ``state.bytes`` summed -> ``crawlmesh_tenant_storage_bytes``; the RESULTS
-  stream's ``config.max_bytes`` -> ``crawlmesh_tenant_storage_limit_bytes`` (the tenant's
-  quota until tenants have accounts);
-- the ``tenants`` KV bucket, for the list of tenants.
-
-Once tenants are NATS accounts (issue 4) their streams live in their own accounts: the
-publisher then needs, besides MESH's JetStream API, read access to each tenant account's
-JetStream API (``$JS.API.INFO`` there reports the account's storage used and its JetStream
-storage limit, which replace the stream sum and RESULTS ``max_bytes``), e.g. a
-monitoring user per tenant account allowed only ``$JS.API.INFO`` and
-``$JS.API.STREAM.INFO.>``.
+- each tenant's ``RESULTS`` and ``EVENTS`` stream info, through MESH's imports of the
+  tenant's ``$JS.API.STREAM.INFO.<stream>`` exports (activation tokens issued to MESH
+  alone, :mod:`shared.accounts.claims`): ``state.bytes`` summed ->
+  ``crawlmesh_tenant_storage_bytes``; the tenant's storage quota (its account JWT's
+  ``disk_storage``, from the ``tenants`` registry) -> ``crawlmesh_tenant_storage_limit_bytes``.
 """
 
 from __future__ import annotations
@@ -33,12 +26,14 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import orjson
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from shared.accounts.claims import stream_info_subject
 from shared.settings import MeshSettings
-from shared.streams import MESH_CONSUMERS, events_stream, results_stream
+from shared.streams import EVENTS, MESH_CONSUMERS, RESULTS
 from shared.telemetry import metrics
 from shared.tenancy import TenantRegistry
 
@@ -67,17 +62,16 @@ async def read_snapshot(js: JetStreamContext, settings: MeshSettings) -> JetStre
             continue
         consumers[(spec.stream, spec.durable)] = (info.num_pending or 0, info.num_ack_pending or 0)
     tenants: dict[str, tuple[int, int]] = {}
-    for tenant in (await TenantRegistry(js).all()).values():
-        used, limit = 0, -1
-        for stream in (results_stream(tenant, settings), events_stream(tenant, settings)):
+    for record in await TenantRegistry(js).records():
+        used = 0
+        for stream in (RESULTS, EVENTS):
             try:
-                info = await js.stream_info(stream.name)
-            except NotFoundError:
+                reply = await js._nc.request(stream_info_subject(record.id, stream), b"",
+                                             timeout=5.0)
+                used += int(orjson.loads(reply.data).get("state", {}).get("bytes", 0))
+            except Exception:  # no responders (stream deleted) or no answer: skip
                 continue
-            used += info.state.bytes or 0
-            if stream.name.startswith("RESULTS_"):
-                limit = info.config.max_bytes if info.config.max_bytes is not None else -1
-        tenants[tenant] = (used, limit)
+        tenants[record.id] = (used, record.quota.storage_bytes)
     return JetStreamSnapshot(consumers, tenants)
 
 
