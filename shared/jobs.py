@@ -118,6 +118,22 @@ class JobStore:
             records.append(decode(entry.value or b"", JobRecord))
         return sorted(records, key=lambda r: r.created_at)
 
+    async def running_count(self, tenant: str) -> int:
+        """How many jobs of ``tenant`` are running now (read fresh)."""
+        kv = await self._kv()
+        try:
+            keys = await kv.keys(filters=[f"{tenant}.*"])
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return 0
+        running = 0
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                continue
+            if decode(entry.value or b"", JobRecord).state is JobState.RUNNING:
+                running += 1
+        return running
 
     async def cancel_all(self, tenant: str, reason: str = "") -> list[str]:
         """Cancel every running job of ``tenant``; the ids of those this call cancelled."""

@@ -12,10 +12,18 @@ Each link of a running job counts once in ``crawlmesh_dedup_links_total`` by dec
 ``invalid`` (no canonical form, or too long), ``duplicate`` (repeated in the message),
 ``out_of_scope``, ``too_deep`` and ``admitted`` here; the admission counts the links it
 refuses (``duplicate``, ``over_budget``).
+
+A running job's links are not admitted while its tenant is held (suspended, or paused
+because its results are parked: :mod:`shared.tenantgate`): the message is held a few
+seconds and, if the tenant is still held, re-published to its subject under a new
+``Nats-Msg-Id`` (``<original id>:held-<stream seq>``) and acked — never nak'd, which would
+count towards ``max_deliver``. Held messages wait outside the ``work_slots`` that bound
+real admission work, so a held tenant does not take every slot from the others.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter, OrderedDict
 from typing import Protocol
 
@@ -50,13 +58,29 @@ class JobSource(Protocol):
     async def cached(self, tenant: str, job: str) -> JobRecord | None: ...
 
 
+class TenantHolds(Protocol):
+    async def wait_released(self, tenant: str, hold_s: float = ...) -> str | None: ...
+
+
+def held_msg_id(delivery: Delivery) -> str:
+    """``<original Nats-Msg-Id>:held-<stream seq>``: unique per held copy, the same for a
+    redelivery of that copy (so it is re-published once)."""
+    original = delivery.headers.get("Nats-Msg-Id") or f"links-{delivery.subject}"
+    return f"{original.split(':held-')[0]}:held-{delivery.stream_seq}"
+
+
 class DedupHandler:
     """Admits each canonical URL once per job (see module docstring)."""
 
-    def __init__(self, admission: Admission, jobs: JobSource, max_scopes: int = 1000) -> None:
+    def __init__(self, admission: Admission, jobs: JobSource, max_scopes: int = 1000,
+                 holds: TenantHolds | None = None, hold_s: float = 3.0,
+                 work_slots: int | None = None) -> None:
         self.admission = admission
         self.jobs = jobs
         self.max_scopes = max_scopes
+        self.holds = holds
+        self.hold_s = hold_s
+        self._work = asyncio.Semaphore(work_slots) if work_slots else None
         self._scopes: OrderedDict[tuple[str, str], JobScope] = OrderedDict()
 
     def scope(self, tenant: str, job: str, request: CrawlRequest) -> JobScope:
@@ -76,6 +100,16 @@ class DedupHandler:
         record = await self.jobs.cached(tenant, job)
         if record is None:
             raise UnprocessableError(f"unknown job {job!r} of tenant {tenant}")
+        if record.state is JobState.RUNNING and self.holds is not None:
+            if await self.holds.wait_released(tenant, self.hold_s) is not None:
+                return [Outbound(subjects.links(tenant, job), message, held_msg_id(delivery))]
+        if self._work is None:
+            return await self._admit(message, record)
+        async with self._work:
+            return await self._admit(message, record)
+
+    async def _admit(self, message: DiscoveredLinks, record: JobRecord) -> list[Outbound]:
+        tenant, job = message.tenant, message.job_id
         source = message.source_fingerprint or "seeds"
         cause = subjects.msg_id(Stage.DEDUP, tenant, job, f"from-{source}-{message.part}")
         candidates: list[Candidate] = []

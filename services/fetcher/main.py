@@ -8,14 +8,16 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
-from services.fetcher.handler import FetcherHandler
+from services.fetcher.handler import FRONTIER_ID_STAGE, FetcherHandler
 from services.fetcher.settings import FetcherSettings
+from shared import subjects
 from shared.bus.loop import Delivery, Outbound
 from shared.bus.service import LoopSpec
 from shared.contracts import FrontierEntry, JobState
 from shared.jobs import JobStore
 from shared.settings import MeshSettings
 from shared.streams import FETCHER, ROBOTS_BUCKET
+from shared.tenantgate import HOLD_S, TenantGate
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +69,44 @@ async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
         body_inline_max_bytes=settings.body_inline_max_bytes, http_retries=http_retries,
     )
     concurrency = min(fetcher.concurrency, settings.max_ack_pending)
-    guarded = RunningJobsOnly(handler, JobStore(js))
+    guarded = RunningJobsOnly(handler, JobStore(js), TenantGate(js))
     return [LoopSpec(FETCHER, FrontierEntry, guarded, concurrency=concurrency)]
 
 
 class RunningJobsOnly:
     """Drops (acks without fetching) frontier entries of jobs that are no longer running:
-    a cancelled job fetches nothing more (its state is read at most 2 s old)."""
+    a cancelled job fetches nothing more (its state is read at most 2 s old).
 
-    def __init__(self, handler: FetcherHandler, jobs: JobStore) -> None:
+    Entries of a held tenant (suspended, or paused because its results are parked:
+    :mod:`shared.tenantgate`) are held ``hold_s`` seconds and, if the tenant is still held,
+    re-published with ``generation + 1`` like a deferred entry (never nak'd, which would
+    count towards ``max_deliver``)."""
+
+    def __init__(self, handler: FetcherHandler, jobs: JobStore, holds: TenantGate | None = None,
+                 hold_s: float = HOLD_S) -> None:
         self.handler = handler
         self.jobs = jobs
+        self.holds = holds
+        self.hold_s = hold_s
 
     async def handle(self, message: FrontierEntry, delivery: Delivery) -> list[Outbound]:
         record = await self.jobs.cached(message.tenant, message.job_id)
         if record is None or record.state is not JobState.RUNNING:
             log.info("dropping %s: job %s is not running", message.url, message.job_id)
             return []
+        if self.holds is not None:
+            reason = await self.holds.wait_released(message.tenant, self.hold_s)
+            if reason is not None:
+                return [self.held(message)]
         return await self.handler.handle(message, delivery)
+
+    @staticmethod
+    def held(entry: FrontierEntry) -> Outbound:
+        """``entry`` re-published to its frontier subject under the next generation."""
+        generation = entry.generation + 1
+        return Outbound(
+            subjects.frontier(subjects.partition_of(entry.host), entry.tenant, entry.job_id),
+            entry.model_copy(update={"generation": generation}),
+            subjects.msg_id(FRONTIER_ID_STAGE, entry.tenant, entry.job_id, entry.fingerprint,
+                            generation),
+        )

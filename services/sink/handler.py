@@ -1,7 +1,8 @@
 """The sink: results into the tenant's RESULTS stream, page states, job completion.
 
 Three inputs: parsed pages (a result each), dedup's expansion reports, and dead letters
-(each a ``failed`` record for its job). Every input advances its page's state
+(each a ``failed`` record for its job); and per tenant its parked results
+(:mod:`services.sink.results`), retried until the tenant has room. Every input advances its page's state
 (``services.sink.pages``); when a page becomes finished its ``finished`` ledger entry is
 published and the job is checked for completion (``services.sink.completion``).
 """
@@ -13,6 +14,7 @@ from typing import Protocol
 
 from services.sink.completion import CompletionTracker
 from services.sink.pages import PageEvent, PageRecord, PageState, advance, delivered
+from services.sink.results import Delivered
 from shared import subjects
 from shared.bus.loop import Delivery, Outbound
 from shared.codec import DecodeError, decode
@@ -45,6 +47,27 @@ class Publisher(Protocol):
     """
 
     async def publish(self, subject: str, message: Contract, msg_id: str) -> bool: ...
+
+
+class Results(Protocol):
+    """Delivers a page's result to the tenant (:class:`services.sink.results.ResultsWriter`)."""
+
+    async def write(self, tenant: str, job: str, fingerprint: str, result: PageResult, *,
+                    park: bool = True) -> Delivered: ...
+
+
+class PublishedResults:
+    """Results straight through a :class:`Publisher` (no parking): for tests and tools."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self.publisher = publisher
+
+    async def write(self, tenant: str, job: str, fingerprint: str, result: PageResult, *,
+                    park: bool = True) -> Delivered:
+        stored = await self.publisher.publish(
+            subjects.results(tenant, job), result,
+            subjects.msg_id(Stage.SINK, tenant, job, fingerprint))
+        return Delivered.STORED if stored else Delivered.DUPLICATE
 
 
 class PageStates(Protocol):
@@ -89,17 +112,22 @@ class PageLedger:
     """Applies page events: CAS the state, publish the result / ledger entries, check."""
 
     def __init__(self, publisher: Publisher, pages: PageStates,
-                 completion: CompletionTracker) -> None:
+                 completion: CompletionTracker, results: Results | None = None) -> None:
         self.publisher = publisher
         self.pages = pages
         self.completion = completion
+        self.results = results or PublishedResults(publisher)
 
     async def apply(self, tenant: str, job: str, fingerprint: str, event: PageEvent,
-                    result: PageResult | None = None, source: str = "") -> None:
+                    result: PageResult | None = None, source: str = "",
+                    park: bool = True) -> None:
         """Advance one page by ``event``; deliver ``result`` first if not yet delivered.
 
         A result the server stores (not a duplicate of an earlier try) counts once in
-        ``crawlmesh_results_stored_total``.
+        ``crawlmesh_results_stored_total``. A result the tenant has no room for is parked
+        (``park``) and the page stays as it is: it is not finished until the result is
+        stored (from the parked loop, ``park=False``: raises
+        :class:`~services.sink.results.TenantFullError` while there is still no room).
 
         ``source`` identifies the input message (``<subject>#<stream sequence>``); the one
         that finishes the page is recorded, so only its redelivery republishes the page's
@@ -112,11 +140,10 @@ class PageLedger:
                 log.info("no page state for %s/%s/%s: job purged?", tenant, job, fingerprint)
                 return
             if result is not None and not delivered(record.state):
-                stored = await self.publisher.publish(
-                    subjects.results(tenant, job), result,
-                    subjects.msg_id(Stage.SINK, tenant, job, fingerprint),
-                )
-                if stored:  # not a duplicate: the one delivery of this page's result
+                delivery = await self.results.write(tenant, job, fingerprint, result, park=park)
+                if delivery is Delivered.PARKED:
+                    return  # finished once the parked result is stored
+                if delivery is Delivered.STORED:  # the one delivery of this page's result
                     metrics.RESULTS_STORED.labels(tenant, str(result.outcome)).inc()
             to = advance(record.state, event)
             if to is None:
@@ -183,6 +210,29 @@ class ExpansionHandler:
             await self.ledger.apply(message.tenant, message.job_id, message.fingerprint,
                                     PageEvent.EXPANDED, source=source_of(delivery))
         return []
+
+
+class ParkedHandler:
+    """The head parked result of one tenant: stored now (the page advances as if it had
+    just arrived), or :class:`~services.sink.results.TenantFullError` (nak, tried again in
+    ``PARKED_RETRY_S``). Once the tenant's parked backlog is empty its pause is lifted."""
+
+    def __init__(self, ledger: PageLedger, pauses: Pauses) -> None:
+        self.ledger = ledger
+        self.pauses = pauses
+
+    async def handle(self, message: PageResult, delivery: Delivery) -> list[Outbound]:
+        tenant, job = message.tenant, message.job_id
+        if await self.ledger.completion.running(tenant, job):
+            event = PageEvent.FAILED if message.outcome is Outcome.FAILED else PageEvent.RESULT
+            await self.ledger.apply(tenant, job, message.fingerprint, event, message,
+                                    source_of(delivery), park=False)
+        await self.pauses.clear_if_drained(tenant, in_flight=1)
+        return []
+
+
+class Pauses(Protocol):
+    async def clear_if_drained(self, tenant: str, in_flight: int = 0) -> bool: ...
 
 
 _PAGE_MODELS: dict[str, type[FrontierEntry] | type[FetchedPage] | type[ParsedPage]] = {

@@ -1,48 +1,66 @@
-"""Sink service entry: wires JetStream, the page states and the job store.
+"""Sink service entry: wires JetStream, the page states, the job store and the results
+writer; one parked-results loop per tenant (following the registry, no restart).
 
-The sink also publishes the JetStream gauges (:mod:`shared.telemetry.jetstream`), run
-beside its loops (:data:`BESIDE`).
+The sink also publishes the JetStream gauges (:mod:`shared.telemetry.jetstream`) and lifts
+stale pauses (:func:`lift_stale_pauses`), run beside its loops (:data:`BESIDE`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
 
 from services.sink.completion import CompletionTracker
-from services.sink.handler import DeadLetterHandler, ExpansionHandler, PageLedger, ResultHandler
+from services.sink.handler import (
+    DeadLetterHandler,
+    ExpansionHandler,
+    PageLedger,
+    ParkedHandler,
+    ResultHandler,
+)
 from services.sink.pages import KvPageStates
+from services.sink.results import QUOTA_ERR_CODES, ResultsWriter, is_quota_error
 from shared import subjects
 from shared.bus.outcomes import TransientError
-from shared.bus.service import Beside, LoopSpec
+from shared.bus.service import Beside, LoopSpec, TenantLoops
 from shared.codec import encode
-from shared.contracts import DeadLetter, PageExpanded, ParsedPage
+from shared.contracts import DeadLetter, PageExpanded, PageResult, ParsedPage
 from shared.contracts.base import Contract
 from shared.jobs import JobStore, ledger_counts
 from shared.settings import MeshSettings
-from shared.streams import SINK, SINK_DLQ, SINK_EXPANDED
+from shared.streams import SINK, SINK_DLQ, SINK_EXPANDED, parked_consumer
 from shared.telemetry import metrics
 from shared.telemetry.jetstream import publish_jetstream_gauges
+from shared.tenantgate import TenantGate
 
-BESIDE: tuple[Beside, ...] = (publish_jetstream_gauges,)
-"""Run beside the sink's loops: the consumer-backlog and tenant-storage gauges."""
+log = logging.getLogger(__name__)
 
-QUOTA_ERR_CODES = frozenset({
-    10002,  # JSAccountResourcesExceededErr: the account's JetStream limits are reached
-    10023,  # JSInsufficientResourcesErr
-    10028,  # JSMemoryResourcesExceededErr
-    10047,  # JSStorageResourcesExceededErr: the server's store reservation is used up
-    10077,  # JSStreamStoreFailedF: "maximum bytes/messages exceeded" (stream limits)
-})
-"""JetStream ``err_code``s (nats-server ``server/errors.json``) that mean a publish was
-refused because a stream, account or server is full."""
+PAUSE_CHECK_S = 2.0
+"""How often :func:`lift_stale_pauses` looks for pauses with no parked result left."""
 
 
-def is_quota_error(error: BaseException) -> bool:
-    """True if ``error`` is JetStream refusing a publish for lack of room (see above)."""
-    return isinstance(error, APIError) and error.err_code in QUOTA_ERR_CODES
+async def lift_stale_pauses(nc: Client, settings: MeshSettings, stop: asyncio.Event) -> None:
+    """Lift every pause whose tenant has no parked result (e.g. its last parked result was
+    drained just before the pause was written, or its job was cancelled)."""
+    writer = ResultsWriter(nc, TenantGate(nc.jetstream()), settings)
+    while not stop.is_set():
+        try:
+            for tenant in await writer.gate.paused_tenants():
+                await writer.clear_if_drained(tenant)
+        except Exception as error:  # next round
+            log.warning("checking tenant pauses failed: %r", error)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), PAUSE_CHECK_S)
 
+
+BESIDE: tuple[Beside, ...] = (publish_jetstream_gauges, lift_stale_pauses)
+"""Run beside the sink's loops: the JetStream gauges, and lifting stale pauses."""
+
+__all__ = ["BESIDE", "QUOTA_ERR_CODES", "JetStreamPublisher", "is_quota_error", "setup"]
 
 class JetStreamPublisher:
     """Publishes with a ``Nats-Msg-Id`` and waits for the PubAck."""
@@ -68,17 +86,25 @@ class JetStreamPublisher:
         return not ack.duplicate
 
 
-async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
+async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec | TenantLoops]:
     js = nc.jetstream()
     publisher = JetStreamPublisher(js)
     jobs = JobStore(js)
+    results = ResultsWriter(nc, TenantGate(js), settings)
 
     async def counts(tenant: str, job: str):  # type: ignore[no-untyped-def]
         return await ledger_counts(js, tenant, job)
 
-    ledger = PageLedger(publisher, KvPageStates(js), CompletionTracker(publisher, jobs, counts))
+    ledger = PageLedger(publisher, KvPageStates(js), CompletionTracker(publisher, jobs, counts),
+                        results)
+    parked = ParkedHandler(ledger, results)
+
+    def parked_loop(tenant_id: str) -> LoopSpec:
+        return LoopSpec(parked_consumer(tenant_id), PageResult, parked, concurrency=1)
+
     return [
         LoopSpec(SINK, ParsedPage, ResultHandler(ledger)),
         LoopSpec(SINK_EXPANDED, PageExpanded, ExpansionHandler(ledger)),
         LoopSpec(SINK_DLQ, DeadLetter, DeadLetterHandler(ledger)),
+        TenantLoops("sink-parked", parked_loop),
     ]

@@ -9,6 +9,11 @@ connection and return (exit status 0). Tracing is set up from the ``OTEL_*`` env
 With ``MeshSettings.metrics_port`` set, the process serves ``/metrics``, ``/healthz`` and
 ``/readyz`` (:mod:`shared.telemetry.http`) from before it connects until it stops; it is
 ready while connected to NATS with every stream and consumer of its loops present.
+
+Per-tenant loops (:class:`TenantLoops`, e.g. the seeder's intake consumer of each tenant)
+follow the tenant registry while the service runs: a :class:`TenantSupervisor` reads the
+``tenants`` bucket every ``poll_s`` seconds, starts the loops of a tenant that appeared
+(once its consumer exists) and stops those of a tenant that was removed — no restart.
 """
 
 from __future__ import annotations
@@ -22,13 +27,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
+from nats.js.errors import NoKeysError
 
 from shared.bus.advisories import MaxDeliveriesAdvisory, MaxDeliveriesHandler
 from shared.bus.connection import connect
 from shared.bus.loop import ConsumeLoop, Handler
 from shared.contracts.base import Contract
 from shared.settings import MeshSettings
-from shared.streams import DLQ_ADVISOR, ConsumerSpec, StreamMissingError, verify
+from shared.streams import (
+    DLQ_ADVISOR,
+    TENANTS_BUCKET,
+    ConsumerSpec,
+    StreamMissingError,
+    verify,
+)
 from shared.telemetry.http import start_endpoint
 from shared.telemetry.tracing import flush_tracing, setup_tracing
 
@@ -46,7 +58,15 @@ class LoopSpec:
     decoder: Callable[[bytes], Any] | None = None
 
 
-Setup = Callable[[Client, MeshSettings], Awaitable[Sequence[LoopSpec]]]
+@dataclass(frozen=True)
+class TenantLoops:
+    """A loop run once per registered tenant: ``factory(tenant_id)`` gives its spec."""
+
+    name: str
+    factory: Callable[[str], LoopSpec]
+
+
+Setup = Callable[[Client, MeshSettings], Awaitable[Sequence[LoopSpec | TenantLoops]]]
 """Builds a service's loops once connected (handlers get their KV/streams here)."""
 
 Beside = Callable[[Client, MeshSettings, asyncio.Event], Awaitable[None]]
@@ -102,16 +122,11 @@ async def run_service(name: str, settings: MeshSettings, setup: Setup,
             specs = list(await setup(nc, settings))
             js = nc.jetstream()
             specs.append(LoopSpec(DLQ_ADVISOR, MaxDeliveriesAdvisory, MaxDeliveriesHandler(js), 4))
-            consumers = tuple(spec.consumer for spec in specs)
+            consumers = tuple(spec.consumer for spec in specs if isinstance(spec, LoopSpec))
             await verify(js, consumers)
             readiness.consumers = consumers
-            loops = [
-                ConsumeLoop(nc, s.consumer, s.model, s.handler, settings, stop,
-                            concurrency=s.concurrency, decoder=s.decoder)
-                for s in specs
-            ]
-            log.info("service %s running %d loops", name, len(loops))
-            await asyncio.gather(*(lp.run() for lp in loops),
+            log.info("service %s running %d loops", name, len(specs))
+            await asyncio.gather(run_loops(nc, settings, specs, stop),
                                  *(task(nc, settings, stop) for task in beside))
         finally:
             readiness.stopping = True
@@ -122,3 +137,81 @@ async def run_service(name: str, settings: MeshSettings, setup: Setup,
         if endpoint is not None:
             await endpoint.close()
         await asyncio.to_thread(flush_tracing)
+
+
+async def run_loops(nc: Client, settings: MeshSettings, specs: Sequence[LoopSpec | TenantLoops],
+                    stop: asyncio.Event, poll_s: float = 1.0) -> None:
+    """Run every loop of ``specs`` until ``stop`` is set (per-tenant ones supervised)."""
+    loops = [
+        ConsumeLoop(nc, s.consumer, s.model, s.handler, settings, stop,
+                    concurrency=s.concurrency, decoder=s.decoder)
+        for s in specs if isinstance(s, LoopSpec)
+    ]
+    per_tenant = [s for s in specs if isinstance(s, TenantLoops)]
+    supervisor = TenantSupervisor(nc, settings, per_tenant, stop, poll_s)
+    await asyncio.gather(*(lp.run() for lp in loops),
+                         *([supervisor.run()] if per_tenant else []))
+
+
+class TenantSupervisor:
+    """Keeps one loop per (tenant, :class:`TenantLoops`) running while the tenant exists."""
+
+    def __init__(self, nc: Client, settings: MeshSettings, loops: Sequence[TenantLoops],
+                 stop: asyncio.Event, poll_s: float = 1.0) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.settings = settings
+        self.loops = tuple(loops)
+        self.stop = stop
+        self.poll_s = poll_s
+        self.running: dict[tuple[str, str], tuple[asyncio.Event, asyncio.Task[None]]] = {}
+
+    async def tenants(self) -> set[str]:
+        """Ids of the registered tenants (keys ``tenant.<id>`` of the ``tenants`` bucket)."""
+        kv = await self.js.key_value(TENANTS_BUCKET)
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            return set()
+        return {key.split(".", 1)[1] for key in keys if key.startswith("tenant.")}
+
+    async def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    await self.refresh(await self.tenants())
+                except Exception as error:  # registry unreachable: keep what runs
+                    log.warning("cannot read the tenant registry: %r", error)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), self.poll_s)
+        finally:
+            for loop_stop, _ in self.running.values():
+                loop_stop.set()
+            tasks = [task for _, task in self.running.values()]
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def refresh(self, tenants: set[str]) -> None:
+        """Start loops of new tenants (consumer present), stop loops of removed ones."""
+        for key, (loop_stop, task) in list(self.running.items()):
+            if key[0] not in tenants or task.done():
+                loop_stop.set()
+                if key[0] not in tenants:
+                    log.info("stopping %s loop of removed tenant %s", key[1], key[0])
+                await asyncio.gather(task, return_exceptions=True)
+                del self.running[key]
+        for tenant in sorted(tenants):
+            for loops in self.loops:
+                if (tenant, loops.name) in self.running:
+                    continue
+                spec = loops.factory(tenant)
+                try:
+                    await verify(self.js, (spec.consumer,))
+                except StreamMissingError:
+                    continue  # tenant being created: its consumer comes next
+                loop_stop = asyncio.Event()
+                loop = ConsumeLoop(self.nc, spec.consumer, spec.model, spec.handler,
+                                   self.settings, loop_stop, concurrency=spec.concurrency,
+                                   decoder=spec.decoder)
+                log.info("starting %s loop of tenant %s", loops.name, tenant)
+                self.running[(tenant, loops.name)] = (loop_stop, asyncio.create_task(loop.run()))

@@ -12,6 +12,7 @@ import orjson
 
 from services.seeder.handler import RawSubmission, SeederHandler, job_id_for
 from shared import subjects
+from shared.accounts.claims import TenantQuota
 from shared.bus.loop import Delivery, Outbound
 from shared.contracts import (
     CrawlRequest,
@@ -21,9 +22,9 @@ from shared.contracts import (
     JobRecord,
     JobState,
     LinkOrigin,
-    SeedReply,
 )
 from shared.subjects import Stage
+from shared.tenancy import TenantRecord, TenantStatus
 
 TENANT = "ATESTTENANT"
 INBOX = "_INBOX.client.42"
@@ -36,6 +37,27 @@ class MemoryJobs:
 
     async def create(self, record: JobRecord) -> JobRecord:
         return self.records.setdefault((record.tenant, record.job_id), record)
+
+    async def cached(self, tenant: str, job: str) -> JobRecord | None:
+        return self.records.get((tenant, job))
+
+    async def running_count(self, tenant: str) -> int:
+        return sum(1 for r in self.records.values()
+                   if r.tenant == tenant and r.state is JobState.RUNNING)
+
+
+class Tenants:
+    def __init__(self, quota: TenantQuota | None = None,
+                 status: TenantStatus = TenantStatus.ACTIVE) -> None:
+        self.found: TenantRecord | None = TenantRecord(
+            name="test", id=TENANT, status=status, quota=quota or TenantQuota())
+
+    async def record(self, tenant: str, fresh: bool = False) -> TenantRecord | None:
+        return self.found if self.found and tenant == self.found.id else None
+
+
+def seeder(jobs: MemoryJobs | None = None, tenants: Tenants | None = None) -> SeederHandler:
+    return SeederHandler(jobs if jobs is not None else MemoryJobs(), tenants or Tenants())
 
 
 def delivery(seq: int = 7, delivered: int = 1, published_at: datetime | None = PUBLISHED) -> Delivery:
@@ -51,9 +73,9 @@ def of_type(outputs: list[Outbound], kind: type) -> list[Outbound]:
     return [o for o in outputs if isinstance(o.message, kind)]
 
 
-async def test_an_accepted_submission_starts_the_job_and_replies() -> None:
+async def test_an_accepted_submission_starts_the_job_and_sends_no_reply() -> None:
     jobs = MemoryJobs()
-    outputs = await SeederHandler(jobs).handle(
+    outputs = await seeder(jobs).handle(
         submission(seeds=["https://example.org/", "https://example.net/x"], reply_to=INBOX,
                    max_pages=5),
         delivery())
@@ -77,27 +99,25 @@ async def test_an_accepted_submission_starts_the_job_and_replies() -> None:
     assert (links.origin, links.depth, links.source_fingerprint) == (LinkOrigin.SEED, 0, None)
     assert [link.url for link in links.links] == ["https://example.org/", "https://example.net/x"]
 
-    (reply,) = of_type(outputs, SeedReply)
-    assert reply.subject == INBOX and reply.core
-    assert reply.message == SeedReply(tenant=TENANT, accepted=True, job_id=job)
+    assert [o for o in outputs if o.core or o.subject == INBOX] == []
 
 
 async def test_a_bare_url_starts_a_job_without_a_reply() -> None:
-    outputs = await SeederHandler(MemoryJobs()).handle(RawSubmission(b"https://example.org/"),
+    outputs = await seeder().handle(RawSubmission(b"https://example.org/"),
                                                       delivery())
     assert [type(o.message) for o in outputs] == [JobEvent, DiscoveredLinks]
 
 
 async def test_a_client_chosen_job_id_is_used() -> None:
     jobs = MemoryJobs()
-    outputs = await SeederHandler(jobs).handle(submission(job_id="nightly-1"), delivery())
+    outputs = await seeder(jobs).handle(submission(job_id="nightly-1"), delivery())
     assert (TENANT, "nightly-1") in jobs.records
     assert of_type(outputs, DiscoveredLinks)[0].subject == subjects.links(TENANT, "nightly-1")
 
 
-async def test_a_rejected_submission_gets_a_rejected_event_and_a_reply() -> None:
+async def test_a_rejected_submission_gets_a_rejected_event_only() -> None:
     jobs = MemoryJobs()
-    outputs = await SeederHandler(jobs).handle(
+    outputs = await seeder(jobs).handle(
         submission(seeds=["ftp://example.org/file"], reply_to=INBOX), delivery())
     assert jobs.records == {}
     job = job_id_for(delivery())
@@ -109,15 +129,11 @@ async def test_a_rejected_submission_gets_a_rejected_event_and_a_reply() -> None
     assert isinstance(rejected, JobEvent) and rejected.kind is JobEventKind.REJECTED
     assert rejected.reason is not None and "unsupported scheme 'ftp'" in rejected.reason
 
-    (reply,) = of_type(outputs, SeedReply)
-    assert reply.subject == INBOX and reply.core
-    assert reply.message == SeedReply(tenant=TENANT, accepted=False, job_id=None,
-                                      reason=rejected.reason)
-    assert of_type(outputs, DiscoveredLinks) == []
+    assert [type(o.message) for o in outputs] == [JobEvent]
 
 
 async def test_a_rejection_without_a_usable_inbox_sends_no_reply() -> None:
-    handler = SeederHandler(MemoryJobs())
+    handler = seeder()
     for raw in (b"ftp://example.org/", b"{broken", b"\xff\xfe",
                 orjson.dumps({"seeds": [], "reply_to": "crawl.seeds.OTHER"})):
         outputs = await handler.handle(RawSubmission(raw), delivery())
@@ -126,11 +142,11 @@ async def test_a_rejection_without_a_usable_inbox_sends_no_reply() -> None:
 
 
 async def test_an_unknown_field_is_rejected_with_its_name() -> None:
-    outputs = await SeederHandler(MemoryJobs()).handle(submission(colour="blue", reply_to=INBOX),
+    outputs = await seeder().handle(submission(colour="blue", reply_to=INBOX),
                                                       delivery())
-    (reply,) = of_type(outputs, SeedReply)
-    assert reply.message.accepted is False  # type: ignore[attr-defined]
-    assert "colour" in (reply.message.reason or "")  # type: ignore[attr-defined]
+    (event,) = of_type(outputs, JobEvent)
+    assert event.message.kind is JobEventKind.REJECTED  # type: ignore[attr-defined]
+    assert "colour" in (event.message.reason or "")  # type: ignore[attr-defined]
 
 
 def test_job_id_is_deterministic_per_delivery() -> None:
@@ -144,33 +160,78 @@ def test_job_id_is_deterministic_per_delivery() -> None:
 
 async def test_a_redelivery_reproduces_the_same_job_and_outputs() -> None:
     jobs = MemoryJobs()
-    handler = SeederHandler(jobs)
+    handler = seeder(jobs)
     first = await handler.handle(submission(reply_to=INBOX), delivery(delivered=1))
     again = await handler.handle(submission(reply_to=INBOX), delivery(delivered=2))
     assert len(jobs.records) == 1
     assert [(o.subject, o.msg_id, o.message) for o in again if not isinstance(o.message, JobEvent)] \
         == [(o.subject, o.msg_id, o.message) for o in first if not isinstance(o.message, JobEvent)]
     assert [(o.subject, o.msg_id) for o in again] == [(o.subject, o.msg_id) for o in first]
-    assert of_type(again, SeedReply)[0].message.accepted  # type: ignore[attr-defined]
+    assert of_type(again, DiscoveredLinks)
 
 
 async def test_a_job_id_already_used_by_another_request_is_rejected() -> None:
     jobs = MemoryJobs()
-    handler = SeederHandler(jobs)
+    handler = seeder(jobs)
     await handler.handle(submission(job_id="mine"), delivery(seq=1))
     outputs = await handler.handle(
         submission(job_id="mine", seeds=["https://other.example/"], reply_to=INBOX),
         delivery(seq=2))
-    (reply,) = of_type(outputs, SeedReply)
-    assert reply.message.accepted is False  # type: ignore[attr-defined]
-    assert "already in use" in (reply.message.reason or "")  # type: ignore[attr-defined]
+    (event,) = of_type(outputs, JobEvent)
+    assert event.message.kind is JobEventKind.REJECTED  # type: ignore[attr-defined]
+    assert "already in use" in (event.message.reason or "")  # type: ignore[attr-defined]
     assert of_type(outputs, DiscoveredLinks) == []
     assert jobs.records[(TENANT, "mine")].request.seeds == ("https://example.org/",)
 
 
 async def test_the_request_stored_is_the_one_submitted() -> None:
     jobs = MemoryJobs()
-    await SeederHandler(jobs).handle(submission(max_depth=0, reply_to=INBOX), delivery())
+    await seeder(jobs).handle(submission(max_depth=0, reply_to=INBOX), delivery())
     (record,) = jobs.records.values()
     assert record.request == CrawlRequest(seeds=("https://example.org/",), max_depth=0,
                                           reply_to=INBOX)
+
+
+async def test_max_pages_above_the_tenant_limit_is_rejected_and_unset_is_capped() -> None:
+    tenants = Tenants(TenantQuota(max_pages_per_job=50))
+    jobs = MemoryJobs()
+    outputs = await seeder(jobs, tenants).handle(submission(max_pages=51), delivery(seq=1))
+    (event,) = outputs
+    assert event.message.kind is JobEventKind.REJECTED  # type: ignore[attr-defined]
+    assert event.message.reason == ("max_pages 51 exceeds this tenant's limit of 50 pages "  # type: ignore[attr-defined]
+                                    "per job")
+    assert jobs.records == {}
+
+    outputs = await seeder(jobs, tenants).handle(submission(), delivery(seq=2))
+    assert of_type(outputs, DiscoveredLinks)
+    (record,) = jobs.records.values()
+    assert record.request.max_pages == 50
+    again = await seeder(jobs, tenants).handle(submission(), delivery(seq=2, delivered=2))
+    assert [o.msg_id for o in again] == [o.msg_id for o in outputs]  # redelivery: same job
+
+
+async def test_the_concurrent_jobs_limit_rejects_a_submission_until_a_job_ends() -> None:
+    tenants = Tenants(TenantQuota(max_concurrent_jobs=2))
+    jobs = MemoryJobs()
+    handler = seeder(jobs, tenants)
+    for seq in (1, 2):
+        assert of_type(await handler.handle(submission(), delivery(seq=seq)), DiscoveredLinks)
+    again = await handler.handle(submission(), delivery(seq=2, delivered=2))
+    assert of_type(again, DiscoveredLinks)  # a redelivery of a started job is not refused
+    (event,) = await handler.handle(submission(), delivery(seq=3))
+    assert event.message.kind is JobEventKind.REJECTED  # type: ignore[attr-defined]
+    assert "limit of concurrent jobs is 2" in (event.message.reason or "")  # type: ignore[attr-defined]
+    first = next(iter(jobs.records))
+    jobs.records[first] = jobs.records[first].model_copy(update={"state": JobState.COMPLETED})
+    assert of_type(await handler.handle(submission(), delivery(seq=4)), DiscoveredLinks)
+
+
+async def test_a_suspended_or_unknown_tenant_is_rejected() -> None:
+    (event,) = await seeder(tenants=Tenants(status=TenantStatus.SUSPENDED)).handle(
+        submission(), delivery())
+    assert "suspended" in (event.message.reason or "")  # type: ignore[attr-defined]
+    unknown = Tenants()
+    unknown.found = None
+    (event,) = await seeder(tenants=unknown).handle(submission(), delivery())
+    assert event.message.kind is JobEventKind.REJECTED  # type: ignore[attr-defined]
+    assert "unknown tenant" in (event.message.reason or "")  # type: ignore[attr-defined]
