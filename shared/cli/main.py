@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from shared.cli import jobs, mesh
+from shared.cli import jobs, mesh, tenants
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="crawlmesh: a multi-tenant distributed crawler over NATS JetStream.")
@@ -14,9 +14,11 @@ app.command()(mesh.init)
 app.command()(mesh.up)
 app.command()(mesh.service)
 app.command()(jobs.crawl)
+app.command("submit")(jobs.submit_command)
 app.command()(jobs.results)
 app.command()(jobs.status)
 app.command()(jobs.cancel)
+app.add_typer(tenants.app, name="tenant")
 
 
 @app.command()
