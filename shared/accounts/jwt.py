@@ -120,6 +120,8 @@ def decode(token: str, *, claim_type: str | None = None) -> dict[str, Any]:
         signature = _unb64(parts[2])
     except (ValueError, orjson.JSONDecodeError) as error:
         raise JwtError(f"not a JWT: {error}") from error
+    if not isinstance(header, dict) or not isinstance(claims, dict):
+        raise JwtError("not a JWT: header and claims must be JSON objects")
     if header.get("alg") != HEADER["alg"]:
         raise JwtError(f"unsupported JWT algorithm {header.get('alg')!r}")
     issuer = claims.get("iss")
@@ -127,9 +129,14 @@ def decode(token: str, *, claim_type: str | None = None) -> dict[str, Any]:
         raise JwtError("JWT has no issuer")
     try:
         verify_key(issuer).verify(f"{parts[0]}.{parts[1]}".encode(), signature)
-    except nacl.exceptions.BadSignatureError:
+    except nacl.exceptions.CryptoError:  # bad signature, or one of the wrong length
         raise JwtError("JWT signature does not verify against its issuer") from None
-    kind = (claims.get("nats") or {}).get("type")
+    nats_claims = claims.get("nats")
+    if not isinstance(nats_claims, dict):
+        raise JwtError("JWT has no nats claims object")
+    if not isinstance(claims.get("iat"), int):
+        raise JwtError("JWT has no integer issue time (iat)")
+    kind = nats_claims.get("type")
     if claim_type is not None and kind != claim_type:
         raise JwtError(f"expected a {claim_type} JWT, got {kind!r}")
     return claims

@@ -42,7 +42,10 @@ def validate_account_jwt(
                        "which is not the operator or one of its signing keys")
     if current:
         previous = decode(current, claim_type="account")
-        if previous.get("sub") == claims.get("sub") and int(claims["iat"]) <= int(previous["iat"]):
+        if previous.get("sub") != claims.get("sub"):
+            raise JwtError(f"the current JWT is for account {previous.get('sub')}, "
+                           f"not {claims.get('sub')}")
+        if int(claims["iat"]) <= int(previous["iat"]):
             raise JwtError(
                 f"account JWT for {claims.get('sub')} was issued at {claims['iat']}, not after "
                 f"the current one ({previous['iat']}): refusing to push an older or equal JWT")
@@ -58,21 +61,34 @@ class ClaimsResolver:
         self.timeout_s = timeout_s
 
     async def lookup(self, account: str) -> str | None:
-        """The account JWT the server holds, or None."""
+        """The account JWT the server holds, or None if it holds none (an empty answer).
+
+        Fails closed: :meth:`push` compares issue times against this answer, so a lookup
+        that gets no answer must not pass for "no JWT yet" (an older JWT would then be
+        pushed unchecked).
+
+        Raises:
+            ClaimsError: no answer, or an answer that is neither empty nor a JWT.
+        """
+        subject = LOOKUP.format(account=account)
         try:
-            reply = await self.nc.request(LOOKUP.format(account=account), b"",
-                                          timeout=self.timeout_s)
-        except Exception:
+            reply = await self.nc.request(subject, b"", timeout=self.timeout_s)
+        except Exception as error:
+            raise ClaimsError(f"no answer on {subject}: {error!r}") from error
+        text = reply.data.decode(errors="replace").strip()
+        if not text:
             return None
-        text = reply.data.decode().strip()
-        return text if text.count(".") == 2 and not text.startswith("{") else None
+        if text.count(".") != 2 or text.startswith("{"):
+            raise ClaimsError(f"unexpected answer on {subject}: {text[:200]!r}")
+        return text
 
     async def push(self, token: str) -> None:
         """Validate ``token`` (:func:`validate_account_jwt`) and push it.
 
         Raises:
             JwtError: it failed validation; nothing was sent.
-            ClaimsError: the server answered with an error, or not at all.
+            ClaimsError: the current JWT could not be looked up (nothing was sent), or the
+                server answered the update with an error, or not at all.
         """
         claims = decode(token, claim_type="account")
         validate_account_jwt(token, self.trusted, await self.lookup(claims["sub"]))
