@@ -15,10 +15,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
-from shared.cli.jobs import export_results, submit, wait_for_job
+from shared.cli.jobs import export_results, read_events, submit, wait_for_job
 from shared.contracts import CrawlRequest, JobEventKind
-from shared.tenancy import DEFAULT_TENANT, TenantRegistry
+from shared.tenancy import DEFAULT_TENANT
 from tests.integration.meshproc import MeshProcess
 from tests.sites import Site, html, wait_for
 
@@ -67,24 +68,17 @@ def build_site() -> Site:
 
 
 async def crawl(mesh: MeshProcess, seed: str, out: Path, **limits: int) -> tuple[str, dict]:
-    nc = await connect(mesh.settings, "test-client")
+    """Submit as the default tenant (its creds file), wait, export; the job's events too."""
+    creds = KeyStore(mesh.home).tenant_creds(DEFAULT_TENANT)
+    tnc = await connect(mesh.settings, "test-client", creds=creds)
     try:
-        tenant = await TenantRegistry(nc.jetstream()).resolve(DEFAULT_TENANT)
-        job = await submit(nc, tenant, CrawlRequest(seeds=(seed,), **limits))
-        event = await wait_for_job(nc, mesh.settings, tenant, job, show=False)
-        await export_results(nc, mesh.settings, tenant, job, out)
-        events_sub = await nc.jetstream().subscribe(
-            f"tenant.{tenant}.events.{job}", ordered_consumer=True)
-        events = []
-        while True:
-            try:
-                msg = await events_sub.next_msg(timeout=1)
-            except Exception:
-                break
-            events.append(orjson.loads(msg.data))
+        job = await submit(tnc, CrawlRequest(seeds=(seed,), **limits))
+        event = await wait_for_job(tnc, job, show=False)
+        await export_results(tnc, job, out)
+        events = [e.model_dump(mode="json") for e in await read_events(tnc.jetstream(), job)]
         return job, {"final": event, "events": events}
     finally:
-        await nc.close()
+        await tnc.close()
 
 
 def read_results(path: Path) -> list[dict]:

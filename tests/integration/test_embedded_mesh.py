@@ -14,12 +14,12 @@ import orjson
 import psutil
 import pytest
 
-from shared import subjects
+from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.launcher import SERVICES
 from shared.settings import MeshSettings
-from shared.streams import results_stream
-from shared.tenancy import DEFAULT_TENANT, TenantRegistry
+from shared.streams import RESULTS
+from shared.tenancy import DEFAULT_TENANT
 from tests.sites import Site, free_port, html, wait_for
 
 
@@ -37,24 +37,24 @@ def site() -> Site:
 
 
 async def _publish_and_collect(settings: MeshSettings, seed: str, expected: int) -> list[dict]:
-    nc = await connect(settings, "test")
+    """Publish a bare URL on ``crawl.seeds`` as the default tenant's user (its creds file,
+    written by `crawlmesh up`) and read its RESULTS stream."""
+    tnc = await connect(settings, "test", creds=KeyStore(settings.home).tenant_creds(DEFAULT_TENANT))
     try:
-        js = nc.jetstream()
-        tenant = await TenantRegistry(js).resolve(DEFAULT_TENANT)
-        await js.publish(subjects.seeds(tenant), seed.encode())
-        stream = results_stream(tenant, settings).name
+        tjs = tnc.jetstream()
+        await tjs.publish("crawl.seeds", seed.encode())
         seen: list[dict] = []
         for _ in range(300):
-            info = await js.stream_info(stream)
+            info = await tjs.stream_info(RESULTS)
             if info.state.messages >= expected:
                 break
             await asyncio.sleep(0.1)
-        sub = await js.pull_subscribe(f"tenant.{tenant}.results.>", durable=None, stream=stream)
+        sub = await tjs.pull_subscribe("crawl.results.>", durable=None, stream=RESULTS)
         for msg in await sub.fetch(expected + 5, timeout=2):
             seen.append(orjson.loads(msg.data))
         return seen
     finally:
-        await nc.close()
+        await tnc.close()
 
 
 def test_up_runs_five_services_and_a_seed_reaches_results(tmp_path: Path, site: Site) -> None:

@@ -22,11 +22,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.cli.jobs import export_results, submit, wait_for_job
 from shared.contracts import CrawlRequest
 from shared.launcher import SERVICES
-from shared.streams import results_stream
+from shared.streams import RESULTS
 from shared.tenancy import DEFAULT_TENANT, TenantRegistry
 from tests.integration.meshproc import MeshProcess
 from tests.sites import Site, free_port, html, wait_for
@@ -63,15 +64,17 @@ class Crawled:
 
 async def crawl(mesh: MeshProcess, seed: str, out: Path) -> tuple[str, str, int, int]:
     nc = await connect(mesh.settings, "test-client")
+    tnc = await connect(mesh.settings, "test-tenant",
+                        creds=KeyStore(mesh.home).tenant_creds(DEFAULT_TENANT))
     try:
-        js = nc.jetstream()
-        tenant = await TenantRegistry(js).resolve(DEFAULT_TENANT)
-        job = await submit(nc, tenant, CrawlRequest(seeds=(seed,)))
-        await wait_for_job(nc, mesh.settings, tenant, job, show=False)
-        exported = await export_results(nc, mesh.settings, tenant, job, out)
-        info = await js.stream_info(results_stream(tenant, mesh.settings).name)
+        tenant = await TenantRegistry(nc.jetstream()).resolve(DEFAULT_TENANT)
+        job = await submit(tnc, CrawlRequest(seeds=(seed,)))
+        await wait_for_job(tnc, job, show=False)
+        exported = await export_results(tnc, job, out)
+        info = await tnc.jetstream().stream_info(RESULTS)
         return tenant, job, exported, int(info.state.messages)
     finally:
+        await tnc.close()
         await nc.close()
 
 

@@ -14,6 +14,7 @@ from nats.js import JetStreamContext
 
 from services.sink.main import JetStreamPublisher
 from shared import streams, subjects
+from shared.accounts.control import TenantControl
 from shared.bus.loop import Delivery, Outbound
 from shared.bus.outcomes import TransientError
 from shared.bus.service import LoopSpec, run_service
@@ -101,8 +102,8 @@ async def test_readiness_reason_and_unknown_paths() -> None:
 async def test_a_full_tenant_stream_counts_a_quota_error(
     settings: MeshSettings, js: JetStreamContext, tenant: str, job: str
 ) -> None:
-    small = settings.model_copy(update={"tenant_results_max_bytes": 600})
-    await streams.ensure_stream(js, streams.results_stream(tenant, small), small)
+    async with TenantControl.open(settings) as control:  # RESULTS: 600 bytes
+        await control.update(tenant, storage_bytes=1200)
     publisher = JetStreamPublisher(js)
     event = JobEvent(tenant=tenant, job_id=job, kind=JobEventKind.PROGRESS)
     before = metrics.QUOTA_ERRORS.labels(tenant)._value.get()
