@@ -4,7 +4,8 @@ The handlers are built by :func:`services.sink.main.setup` exactly as the servic
 them. Dedup's side is simulated the way dedup does it: a ``pages`` KV key
 ``admitted <cause>`` and an ``admitted`` ledger entry per admitted page (phase 0), then the
 :class:`PageExpanded` report (phase 1). The job is complete when exactly one ``completed``
-event is in ``EVENTS_<tenant>``, with one result per page in ``RESULTS_<tenant>``.
+event is in the tenant's ``EVENTS``, with one result per page in its ``RESULTS`` — both
+read through a connection of the tenant's own account (operator mode).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from nats.js.errors import NotFoundError
 from services.sink.handler import DeadLetterHandler, ExpansionHandler, ResultHandler
 from services.sink.main import setup
 from shared import subjects
+from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
-from shared.bus.loop import ConsumeLoop, Delivery
+from shared.bus.loop import Delivery
+from shared.bus.service import LoopSpec, run_loops
 from shared.codec import decode, encode
 from shared.contracts import (
     CrawlRequest,
@@ -48,7 +51,7 @@ from shared.contracts import (
 )
 from shared.jobs import JobStore, ledger_counts, ledger_msg_id
 from shared.settings import MeshSettings
-from shared.streams import DLQ, EXPANDED, PAGES_BUCKET, PARSED, events_stream, results_stream
+from shared.streams import DLQ, EVENTS, EXPANDED, PAGES_BUCKET, PARSED, RESULTS
 from shared.subjects import LedgerKind, Stage
 from shared.urls import canonical_url, fingerprint
 
@@ -66,7 +69,8 @@ class Sink:
 
 
 async def sink(nc: Client, settings: MeshSettings) -> Sink:
-    specs = {spec.consumer.durable: spec.handler for spec in await setup(nc, settings)}
+    specs = {spec.consumer.durable: spec.handler for spec in await setup(nc, settings)
+             if isinstance(spec, LoopSpec)}
     return Sink(specs["sink"], specs["sink-expanded"], specs["sink-dlq"])
 
 
@@ -81,8 +85,9 @@ def delivery(subject: str, tenant: str, job: str) -> Delivery:
 class Crawl:
     """A job and what dedup would have done for it."""
 
-    def __init__(self, js: JetStreamContext, tenant: str, job: str) -> None:
-        self.js, self.tenant, self.job = js, tenant, job
+    def __init__(self, js: JetStreamContext, tenant: str, job: str,
+                 tjs: JetStreamContext) -> None:
+        self.js, self.tenant, self.job, self.tjs = js, tenant, job, tjs
 
     async def start(self, state: JobState = JobState.RUNNING) -> None:
         request = CrawlRequest(seeds=(SITE + "/",))
@@ -126,27 +131,32 @@ class Crawl:
                                                           self.tenant, self.job))
 
     async def stored(self, stream: str, subject: str) -> list[bytes]:
-        info = await self.js.stream_info(stream)
+        """Messages on ``subject`` in the tenant's ``stream`` (read as the tenant; none if
+        the stream does not exist)."""
         found: list[bytes] = []
+        try:
+            info = await self.tjs.stream_info(stream)
+        except NotFoundError:
+            return found
         if not info.state.messages:
             return found
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             with contextlib.suppress(NotFoundError):
-                msg = await self.js.get_msg(stream, seq)
+                msg = await self.tjs.get_msg(stream, seq)
                 if msg.subject == subject:
                     found.append(msg.data or b"")
         return found
 
     async def events(self, settings: MeshSettings) -> list[JobEvent]:
-        return [decode(data, JobEvent) for data in await self.stored(
-            events_stream(self.tenant, settings).name, subjects.events(self.tenant, self.job))]
+        return [decode(data, JobEvent)
+                for data in await self.stored(EVENTS, f"crawl.events.{self.job}")]
 
     async def completions(self, settings: MeshSettings) -> list[JobEvent]:
         return [e for e in await self.events(settings) if e.kind is JobEventKind.COMPLETED]
 
     async def results(self, settings: MeshSettings) -> list[PageResult]:
-        return [decode(data, PageResult) for data in await self.stored(
-            results_stream(self.tenant, settings).name, subjects.results(self.tenant, self.job))]
+        return [decode(data, PageResult)
+                for data in await self.stored(RESULTS, f"crawl.results.{self.job}")]
 
     async def record(self) -> JobRecord:
         return (await JobStore(self.js).get(self.tenant, self.job))[0]
@@ -165,8 +175,19 @@ async def eventually(check: Callable[[], Awaitable[T]], what: str, timeout_s: fl
 
 
 @pytest.fixture
-async def crawl(js: JetStreamContext, tenant: str, job: str) -> Crawl:
-    job_crawl = Crawl(js, tenant, job)
+async def tjs(settings: MeshSettings, tenant: str) -> AsyncIterator[JetStreamContext]:
+    """JetStream of a connection in the tenant's own account (its creds file)."""
+    client = await connect(settings, "t", persistent=False,
+                           creds=KeyStore(settings.home).tenant_creds("test"))
+    try:
+        yield client.jetstream()
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+async def crawl(js: JetStreamContext, tenant: str, job: str, tjs: JetStreamContext) -> Crawl:
+    job_crawl = Crawl(js, tenant, job, tjs)
     await job_crawl.start()
     return job_crawl
 
@@ -296,8 +317,9 @@ async def test_a_dead_lettered_seed_message_still_lets_the_job_complete(
 
 async def test_pages_of_a_cancelled_job_are_dropped(
     js: JetStreamContext, tenant: str, handlers: Sink, settings: MeshSettings,
+    tjs: JetStreamContext,
 ) -> None:
-    cancelled = Crawl(js, tenant, subjects.new_job_id())
+    cancelled = Crawl(js, tenant, subjects.new_job_id(), tjs)
     await cancelled.start(JobState.CANCELLED)
     report = await cancelled.admit(None, "/")
     await cancelled.expanded(handlers, report)
@@ -311,17 +333,12 @@ async def test_pages_of_a_cancelled_job_are_dropped(
 async def sink_loops(nc: Client, settings: MeshSettings) -> AsyncIterator[None]:
     """The sink's consume loops running in this process until the test ends."""
     stop = asyncio.Event()
-    loops = [
-        ConsumeLoop(nc, spec.consumer, spec.model, spec.handler, settings, stop,
-                    concurrency=spec.concurrency, decoder=spec.decoder)
-        for spec in await setup(nc, settings)
-    ]
-    tasks = [asyncio.create_task(loop.run()) for loop in loops]
+    task = asyncio.create_task(run_loops(nc, settings, await setup(nc, settings), stop))
     try:
         yield
     finally:
         stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=15)
+        await asyncio.wait_for(task, timeout=15)
 
 
 async def test_the_sink_loops_complete_a_job_from_its_streams(
