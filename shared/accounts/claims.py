@@ -45,7 +45,9 @@ class TenantQuota(BaseModel):
     Attributes:
         storage_bytes: JetStream file storage of the account (all its streams), bytes.
         max_streams: streams the account may hold (RESULTS and EVENTS count).
-        max_consumers: consumers the account may hold.
+        max_consumers: consumers each stream of the account may hold (nats-server applies
+            the JWT's ``consumer`` limit per stream, not per account: the account can hold
+            ``max_streams * max_consumers``; ephemeral consumers count).
         max_ack_pending: cap on any consumer's max_ack_pending in the account.
         max_pages_per_job: largest ``max_pages`` a submission may ask for.
         max_concurrent_jobs: jobs of the tenant running at once.
