@@ -169,3 +169,41 @@ async def test_busy_host_entry_is_republished_with_a_new_generation(
     fetched = await js.get_msg(streams.FETCHED.name, last_seq)
     assert (fetched.headers or {}).get("Nats-Msg-Id") == subjects.msg_id(
         Stage.FETCHER, tenant, job, entry.fingerprint, 1)
+
+
+async def test_a_suspended_tenant_is_held_then_republished_without_fetching(
+    nc: Client, js: JetStreamContext, settings: MeshSettings, tenant: str, job: str,
+) -> None:
+    """Entries of a suspended tenant are not fetched: held, then re-published under the
+    next generation (never nak'd, which would count towards max_deliver); once resumed
+    they are fetched."""
+    from shared.accounts.control import TenantControl
+    from shared.bus.loop import Delivery
+    from shared.tenantgate import TenantGate
+
+    class NoFetch:
+        calls = 0
+
+        async def handle(self, message: FrontierEntry, delivery: Delivery) -> list[object]:
+            NoFetch.calls += 1
+            return []
+
+    await JobStore(js).create(JobRecord(tenant=tenant, job_id=job,
+                                        request=CrawlRequest(seeds=("http://127.0.0.1/",))))
+    async with TenantControl.open(settings) as control:
+        await control.suspend("test")
+    guard = fetcher_main.RunningJobsOnly(NoFetch(), JobStore(js),  # type: ignore[arg-type]
+                                         TenantGate(js, ttl_s=0.1), hold_s=0.3)
+    entry = frontier_entry(tenant, job, "http://127.0.0.1/x", generation=2)
+    delivery = Delivery(subject="s", headers={}, delivered=1, stream_seq=1, tenant=tenant,
+                        job=job)
+    (held,) = await guard.handle(entry, delivery)
+    assert NoFetch.calls == 0
+    assert held.message == entry.model_copy(update={"generation": 3})
+    assert held.subject == subjects.frontier(subjects.partition_of(entry.host), tenant, job)
+    assert held.msg_id.endswith(":3")
+
+    async with TenantControl.open(settings) as control:
+        await control.resume("test")
+    assert await guard.handle(entry, delivery) == []
+    assert NoFetch.calls == 1

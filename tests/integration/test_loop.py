@@ -25,9 +25,14 @@ from nats.js.api import AckPolicy, RawStreamMsg, RetentionPolicy
 from nats.js.errors import NotFoundError
 
 from shared import streams, subjects
+from shared.accounts.claims import TenantQuota
+from shared.accounts.control import TenantControl
+from shared.accounts.keystore import KeyStore
 from shared.bus.advisories import MaxDeliveriesAdvisory, MaxDeliveriesHandler
+from shared.bus.connection import connect
 from shared.bus.loop import ConsumeLoop, Delivery, Handler, Outbound, publish_all
 from shared.bus.outcomes import TransientError
+from shared.bus.service import TenantSupervisor
 from shared.codec import decode, encode
 from shared.contracts import DeadLetter, DiscoveredLinks, FrontierEntry, Link, LinkOrigin
 from shared.contracts.base import Contract
@@ -568,7 +573,15 @@ async def test_ensure_is_idempotent_and_follows_settings(
     await streams.ensure_tenant(js, tenant, settings)
     assert sorted([s.config.name for s in await js.streams_info()]) == names
     assert {spec.name for spec in streams.MESH_STREAMS} <= set(names)
-    assert {f"INTAKE_{tenant}", f"RESULTS_{tenant}", f"EVENTS_{tenant}"} <= set(names)
+    assert f"INTAKE_{tenant}" in names
+    assert not {"RESULTS", "EVENTS"} & set(names)  # those live in the tenant's account
+    tenant_nc = await connect(settings, "t", persistent=False,
+                              creds=KeyStore(settings.home).tenant_creds("test"))
+    try:
+        tjs = tenant_nc.jetstream()
+        assert {s.config.name for s in await tjs.streams_info()} == {"RESULTS", "EVENTS"}
+    finally:
+        await tenant_nc.close()
 
     links = (await js.stream_info(streams.LINKS.name)).config
     assert links.max_bytes == settings.stage_max_bytes
@@ -599,3 +612,57 @@ async def test_ensure_is_idempotent_and_follows_settings(
     assert advisor.max_deliver == -1
     assert await count(js, streams.LINKS.name) == 1  # updates keep what is stored
     await streams.verify(js, streams.MESH_CONSUMERS)
+
+
+# ---- 9. per-tenant loops follow the tenant registry --------------------------------------
+
+
+async def test_a_tenant_added_at_run_time_is_served_and_a_removed_one_is_not(
+    nc: Client, js: JetStreamContext, settings: MeshSettings,
+) -> None:
+    """The seeder's per-tenant intake loop starts for a tenant added while it runs (its
+    crawl limits enforced at submission) and stops when the tenant is removed."""
+    from services.seeder.main import setup as seeder_setup
+
+    stop = asyncio.Event()
+    (per_tenant,) = await seeder_setup(nc, settings)
+    supervisor = TenantSupervisor(nc, settings, [per_tenant], stop, poll_s=0.2)  # type: ignore[list-item]
+    task = asyncio.create_task(supervisor.run())
+    try:
+        async with TenantControl.open(settings) as control:
+            late = await control.add("late", TenantQuota(max_pages_per_job=20))
+        tenant_nc = await connect(settings, "late", persistent=False,
+                                  creds=KeyStore(settings.home).tenant_creds("late"))
+        try:
+            tjs = tenant_nc.jetstream()
+            await tjs.publish("crawl.seeds", orjson.dumps(
+                {"seeds": ["https://site.test/"], "job_id": "ok"}))
+            await tjs.publish("crawl.seeds", orjson.dumps(
+                {"seeds": ["https://site.test/"], "job_id": "big", "max_pages": 21}))
+
+            async def event_of(job: str) -> dict[str, Any] | None:
+                try:
+                    msg = await tjs.get_last_msg("EVENTS", f"crawl.events.{job}")
+                except NotFoundError:
+                    return None
+                return orjson.loads(msg.data)
+
+            assert (await eventually(lambda: event_of("ok"), what="the started event"))["kind"] \
+                == "started"
+            big = await eventually(lambda: event_of("big"), what="the rejected event")
+            assert big["kind"] == "rejected"
+            assert big["reason"] == "max_pages 21 exceeds this tenant's limit of 20 pages per job"
+        finally:
+            await tenant_nc.close()
+        assert (late.id, "seeder") in supervisor.running
+
+        async with TenantControl.open(settings) as control:
+            await control.remove("late")
+
+        async def stopped() -> bool:
+            return (late.id, "seeder") not in supervisor.running
+
+        await eventually(stopped, what="the removed tenant's loop to stop")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
