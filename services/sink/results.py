@@ -175,14 +175,19 @@ class ResultsWriter:
                                                     f"parked-{fingerprint}")})
         log.info("parked a result of tenant %s job %s: %s", tenant, job, reason)
         pause, tell = await self.gate.set_pause(tenant, job, reason)
-        if tell:
+        if not tell:
+            return
+        try:
             await self.js.publish(
                 subjects.events(tenant, job),
                 encode(JobEvent(tenant=tenant, job_id=job, kind=JobEventKind.PROGRESS,
                                 reason=f"{reason}; admission paused, results held")),
                 headers={"Nats-Msg-Id": subjects.msg_id(Stage.SINK, tenant, job,
                                                         f"paused-{pause.since_ms}")})
-            await self.gate.told(tenant, job)
+        except Exception as error:  # EVENTS full or gone too: the next parked result retries
+            log.warning("could not tell tenant %s job %s of its pause: %r", tenant, job, error)
+            return
+        await self.gate.told(tenant, job)
 
     async def clear_if_drained(self, tenant: str, in_flight: int = 0) -> bool:
         """Lift the tenant's pause if its parked backlog is empty (``in_flight``: parked
