@@ -243,14 +243,16 @@ def summarise(events: list[JobEvent]) -> list[JobSummary]:
 
 
 async def wait_for_event(tjs: JetStreamContext, job: str, kinds: frozenset[JobEventKind],
-                         timeout_s: float) -> JobEvent:
-    """The first event of ``job`` whose kind is in ``kinds`` (stored or still to come).
+                         timeout_s: float, after_seq: int = 0) -> JobEvent:
+    """The first event of ``job`` whose kind is in ``kinds``, among those stored after the
+    ``EVENTS`` sequence ``after_seq`` or still to come.
 
     Raises:
         CrawlError: none within ``timeout_s``.
     """
     sub = await tjs.subscribe(events_subject(job), stream=EVENTS, ordered_consumer=True,
-                              deliver_policy=DeliverPolicy.ALL)
+                              deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                              config=ConsumerConfig(opt_start_seq=after_seq + 1))
     try:
         async with asyncio.timeout(timeout_s):
             while True:
@@ -276,19 +278,24 @@ async def submit(tnc: Client, request: CrawlRequest, timeout_s: float = 30) -> s
         CrawlError: rejected (with the seeder's reason), the intake refused the message,
             or no answer within ``timeout_s``.
     """
-    job = request.job_id or subjects.new_job_id()
+    chosen, job = request.job_id is not None, request.job_id or subjects.new_job_id()
     request = request.model_copy(update={"job_id": job, "reply_to": None})
     tjs = tnc.jetstream()
+    if chosen and await read_events(tjs, job):
+        raise CrawlError(f"crawl rejected: job id {job!r} is already in use")
+    after = (await tjs.stream_info(EVENTS)).state.last_seq
     try:
-        await tjs.publish(INTAKE_SUBJECT, encode(request), timeout=10,
-                          headers={"Nats-Msg-Id": f"submit:{job}"})
+        ack = await tjs.publish(INTAKE_SUBJECT, encode(request), timeout=10,
+                                headers={"Nats-Msg-Id": f"submit:{job}"})
     except NoRespondersError:
         raise CrawlError("the intake did not answer (no mesh streams for this tenant? "
                          "`crawlmesh init`)") from None
     except nats.js.errors.APIError as error:
         raise CrawlError(f"the intake refused the request: {error}") from None
+    if ack.duplicate:
+        raise CrawlError(f"crawl rejected: job id {job!r} was submitted already")
     event = await wait_for_event(tjs, job, frozenset({JobEventKind.STARTED,
-                                                      JobEventKind.REJECTED}), timeout_s)
+                                                      JobEventKind.REJECTED}), timeout_s, after)
     if event.kind is JobEventKind.REJECTED:
         raise CrawlError(f"crawl rejected: {event.reason}")
     return job

@@ -22,9 +22,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.settings import MeshSettings
 from shared.streams import MESH_STREAMS
+from shared.tenancy import DEFAULT_TENANT
 from tests.integration.meshproc import MeshProcess
 from tests.sites import Site, html, wait_for
 
@@ -254,3 +256,33 @@ def test_cancel_stops_a_running_crawl(mesh: MeshProcess, sites: Sites, tmp_path:
     # The pages in flight at the cancel finish without completing the job.
     wait_for(lambda: asyncio.run(_drained(mesh.settings)), 30, "the mesh to go idle")
     assert status_of(mesh, job)["state"] == "cancelled"
+
+
+def test_tenant_side_commands_with_a_creds_file(mesh: MeshProcess, sites: Sites) -> None:
+    """``submit``/``status``/``results`` with only the default tenant's creds file (what a
+    tenant is given), reading its own EVENTS and RESULTS."""
+    creds = str(KeyStore(mesh.home).tenant_creds(DEFAULT_TENANT))
+    submitted = crawlmesh(mesh, "submit", "--creds", creds, "--wait", "--max-depth", "1",
+                          sites.quick.url("/"))
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip()
+    assert f"job {job} accepted" in submitted.stderr
+    assert f"job {job} completed: 3 pages finished (0 failed) of 3 admitted" in submitted.stderr
+
+    status = crawlmesh(mesh, "status", "--creds", creds, job)
+    assert status.returncode == 0, status.stderr
+    shown = json.loads(status.stdout)
+    assert (shown["job_id"], shown["state"], shown["admitted"], shown["finished"]) == \
+        (job, "completed", 3, 3)
+    listing = crawlmesh(mesh, "status", "--creds", creds)
+    assert job in {json.loads(line)["job_id"] for line in listing.stdout.splitlines()}
+
+    results = crawlmesh(mesh, "results", "--creds", creds, job, "--follow")
+    assert results.returncode == 0, results.stderr
+    urls = sorted(orjson.loads(line)["url"] for line in results.stdout.splitlines())
+    assert urls == sorted(sites.quick.url(p) for p in ("/", "/a", "/b"))
+
+    unknown = crawlmesh(mesh, "results", "--creds", creds, "nosuchjob")
+    assert unknown.returncode == 1 and "no job 'nosuchjob'" in unknown.stderr
+    chosen = crawlmesh(mesh, "submit", "--creds", creds, "--job-id", job, sites.quick.url("/b"))
+    assert chosen.returncode == 1 and "already in use" in chosen.stderr
