@@ -93,8 +93,9 @@ def _channels() -> tuple[_Channel, ...]:
                  "side)", "Job lifecycle events, into the tenant's EVENTS stream.",
                  (("seeder", "Announces a job started, or a submission rejected."),
                   ("sink", "Announces job progress and completion."))),
-        _Channel("seedReplies", None, ("SeedReply",), "Seed replies", "The seeder's answer, "
-                 "on the subject a CrawlRequest names in reply_to (core NATS, no stream)."),
+        _Channel("seedReplies", None, ("SeedReply",), "Seed replies", "Not sent: a tenant's "
+                 "inbox is in another account, so the seeder answers with a started/rejected "
+                 "JobEvent on crawl.events.<job> instead (reply_to is accepted and ignored)."),
         _Channel("crawlSeeds", "crawl.seeds", seed, "Seeds (tenant side)", "Where a tenant "
                  "publishes seeds; MESH imports it as the tenant's slot of crawl.seeds.*.",
                  (("tenant", "Submits a crawl request or a bare URL."),), (), "tenant",

@@ -258,6 +258,8 @@ class TenantControl:
         await streams.remove_tenant(self.js, record.id)
         await jobs.delete_all(record.id)
         await self.registry.delete(record)
+        with contextlib.suppress(Exception):  # the sink's pause marker, if any
+            await (await self.js.key_value(streams.TENANTS_BUCKET)).purge(f"paused.{record.id}")
         await self._push_mesh(await self.registry.records())
         await self.resolver.delete([record.id], self.keys.key(OPERATOR))
         for key in (record.id, _signing_name(record.id)):

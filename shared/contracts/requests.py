@@ -103,7 +103,10 @@ class CrawlRequest(Contract):
     rules: tuple[ExtractionRule, ...] = Field((), max_length=100)
     reply_to: str | None = Field(
         None, max_length=256, pattern=r"^_INBOX\.[A-Za-z0-9_.-]+$",
-        description="An _INBOX.* subject the seeder answers on (accepted/rejected).",
+        description=(
+            "Accepted and ignored: the seeder cannot answer into a tenant account's inbox; "
+            "the started/rejected JobEvent on crawl.events.<job> is the answer."
+        ),
     )
 
     @field_validator("seeds")
