@@ -72,7 +72,10 @@ class MeshProcess:
             if self.process.poll() is not None:
                 out = self.process.stdout.read().decode() if self.process.stdout else ""
                 raise AssertionError(f"crawlmesh up exited: {out}")
-            return state.exists() and json.loads(state.read_text())["pid"] == self.process.pid
+            try:
+                return json.loads(state.read_text())["pid"] == self.process.pid
+            except (FileNotFoundError, json.JSONDecodeError):  # not yet, or being written
+                return False
 
         wait_for(ready, 60, "the embedded mesh")
         return self
