@@ -77,7 +77,11 @@ class MeshProcess:
             except (FileNotFoundError, json.JSONDecodeError):  # not yet, or being written
                 return False
 
-        wait_for(ready, 60, "the embedded mesh")
+        try:
+            wait_for(ready, 60, "the embedded mesh")
+        except BaseException:  # never leave a half-started mesh behind
+            self.stop()
+            raise
         return self
 
     @property
