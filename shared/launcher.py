@@ -156,10 +156,11 @@ class EmbeddedMesh:
                     child.metrics_port, extra = extra, extra + 1
                 self.spawn(child)
                 self.children.append(child)
-        state_file(self.settings.home).write_text(
-            json.dumps({"pid": os.getpid(), "url": self.url, "started_at": time.time(),
-                        "auto": auto, "metrics": self.metrics_urls()})
-        )
+        path = state_file(self.settings.home)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "url": self.url, "started_at": time.time(),
+                                   "auto": auto, "metrics": self.metrics_urls()}))
+        os.replace(tmp, path)  # readers never see a half-written record
 
     def metrics_urls(self) -> dict[str, str]:
         """``{process name: "http://host:port"}`` of each child's metrics endpoint

@@ -22,13 +22,13 @@ from nats.aio.client import Client
 from rich.console import Console
 from rich.markup import escape
 
+from shared.accounts.control import TenantControl
+from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.bus.service import Beside, LoopSpec, run_service
 from shared.launcher import SERVICES, EmbeddedMesh, MeshError, file_lock, running_mesh
-from shared.settings import MeshSettings
-from shared.accounts.control import TenantControl
-from shared.accounts.keystore import KeyStore
 from shared.natsserver import write_config
+from shared.settings import MeshSettings
 from shared.streams import ensure_mesh
 from shared.telemetry.logs import setup_logging
 from shared.tenancy import DEFAULT_TENANT
