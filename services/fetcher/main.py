@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from nats.aio.client import Client
@@ -69,8 +70,14 @@ async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
         body_inline_max_bytes=settings.body_inline_max_bytes, http_retries=http_retries,
     )
     concurrency = min(fetcher.concurrency, settings.max_ack_pending)
-    guarded = RunningJobsOnly(handler, JobStore(js), TenantGate(js))
-    return [LoopSpec(FETCHER, FrontierEntry, guarded, concurrency=concurrency)]
+    slots = min(concurrency + HOLD_SLOTS, settings.max_ack_pending)
+    guarded = RunningJobsOnly(handler, JobStore(js), TenantGate(js), work_slots=concurrency)
+    return [LoopSpec(FETCHER, FrontierEntry, guarded, concurrency=slots)]
+
+
+HOLD_SLOTS = 64
+"""Extra loop slots in which held tenants' entries wait, so they never take the slots of
+fetches for other tenants (fetches stay bounded by ``FetcherSettings.concurrency``)."""
 
 
 class RunningJobsOnly:
@@ -83,11 +90,12 @@ class RunningJobsOnly:
     count towards ``max_deliver``)."""
 
     def __init__(self, handler: FetcherHandler, jobs: JobStore, holds: TenantGate | None = None,
-                 hold_s: float = HOLD_S) -> None:
+                 hold_s: float = HOLD_S, work_slots: int | None = None) -> None:
         self.handler = handler
         self.jobs = jobs
         self.holds = holds
         self.hold_s = hold_s
+        self._work = asyncio.Semaphore(work_slots) if work_slots else None
 
     async def handle(self, message: FrontierEntry, delivery: Delivery) -> list[Outbound]:
         record = await self.jobs.cached(message.tenant, message.job_id)
@@ -98,7 +106,10 @@ class RunningJobsOnly:
             reason = await self.holds.wait_released(message.tenant, self.hold_s)
             if reason is not None:
                 return [self.held(message)]
-        return await self.handler.handle(message, delivery)
+        if self._work is None:
+            return await self.handler.handle(message, delivery)
+        async with self._work:
+            return await self.handler.handle(message, delivery)
 
     @staticmethod
     def held(entry: FrontierEntry) -> Outbound:

@@ -86,6 +86,9 @@ async def wait_event(nc: Client, job: str, kinds: set[str], timeout_s: float,
         for event in await events(nc, job):
             if event["kind"] in kinds and (reason is None or reason in str(event.get("reason"))):
                 return event
+            if event["kind"] in ("completed", "cancelled", "rejected"):
+                raise RuntimeError(f"job {job} ended ({event['kind']}) before a {kinds} event: "
+                                   f"{event}")
         await asyncio.sleep(0.25)
     raise TimeoutError(f"job {job}: no {kinds} event within {timeout_s} s")
 
@@ -170,7 +173,7 @@ async def run(settings: MeshSettings, a_storage: int, raised: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--a-storage", type=int, default=2 << 20,
+    parser.add_argument("--a-storage", type=int, default=384 << 10,
                         help="tenant a's storage quota while it crawls, bytes")
     parser.add_argument("--raised", type=int, default=1 << 30,
                         help="tenant a's quota after `tenant update`, bytes")
