@@ -40,6 +40,14 @@ ROBOTS_MAX_AGE_S = 86400.0
 """Life of a robots.txt record in ``ROBOTS_BUCKET`` (RFC 9309 §2.4: at most 24 hours)."""
 
 
+_NO_ROLLUPS_TTLS_SCHEDULES: dict[str, bool] = {
+    "allow_rollup_hdrs": False, "allow_msg_ttl": False, "allow_msg_schedules": False,
+    "deny_purge": False, "deny_delete": False,
+}
+"""Every stream: no roll-up headers, per-message TTLs or schedules (DESIGN.md hazards);
+message deletes and purges allowed (tenants delete consumed results)."""
+
+
 class StreamMissingError(RuntimeError):
     """A stream or consumer a service needs does not exist (run ``crawlmesh init``)."""
 
@@ -152,11 +160,7 @@ def tenant_stream_config(stream: str, settings: MeshSettings, storage_bytes: int
         max_age=settings.results_max_age_s,
         discard=DiscardPolicy.NEW,
         duplicate_window=settings.duplicate_window_s,
-        allow_rollup_hdrs=False,
-        allow_msg_ttl=False,
-        allow_msg_schedules=False,
-        deny_purge=False,
-        deny_delete=False,
+        **_NO_ROLLUPS_TTLS_SCHEDULES,  # type: ignore[arg-type]
     )
 
 
@@ -237,11 +241,7 @@ def stream_config(spec: StreamSpec, settings: MeshSettings) -> StreamConfig:
         discard=DiscardPolicy.NEW,
         discard_new_per_subject=per_subject > 0,
         duplicate_window=settings.duplicate_window_s,
-        allow_rollup_hdrs=False,
-        allow_msg_ttl=False,
-        allow_msg_schedules=False,
-        deny_purge=False,
-        deny_delete=False,
+        **_NO_ROLLUPS_TTLS_SCHEDULES,  # type: ignore[arg-type]
     )
 
 

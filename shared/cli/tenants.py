@@ -110,7 +110,7 @@ def _echo_record(record: TenantRecord) -> None:
 
 StorageOpt = typer.Option(None, "--storage", help="JetStream storage quota: 1GiB, 500MiB, 123…")
 StreamsOpt = typer.Option(None, "--max-streams", help="Streams the account may hold (>= 2).")
-ConsumersOpt = typer.Option(None, "--max-consumers", help="Consumers the account may hold.")
+ConsumersOpt = typer.Option(None, "--max-consumers", help="Consumers each stream may have.")
 PagesOpt = typer.Option(None, "--max-pages-per-job", help="Largest max_pages of a submission.")
 JobsOpt = typer.Option(None, "--max-concurrent-jobs", help="Jobs running at once.")
 
