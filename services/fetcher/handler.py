@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from typing import Literal
 from urllib.parse import urljoin
 
 import httpcore
@@ -69,6 +71,10 @@ class _Refused(Exception):
     """A hop that must not be requested: robots.txt or the egress policy said no."""
 
 
+BeforeFetch = Literal["drop", "hold"] | None
+"""What :attr:`FetcherHandler.before_fetch` decides for an entry whose turn has come."""
+
+
 class FetcherHandler:
     """Fetches frontier entries politely (see module docstring).
 
@@ -92,6 +98,11 @@ class FetcherHandler:
         self.bodies = bodies
         self.body_inline_max_bytes = body_inline_max_bytes
         self.http_retries = http_retries
+        self.before_fetch: Callable[[FrontierEntry], Awaitable[BeforeFetch]] | None = None
+        """Asked once an entry's turn has come, just before its request: an entry may wait
+        for its host's turn for up to ``queue_horizon_s`` seconds, and its job may be
+        cancelled or its tenant suspended meanwhile (``"drop"``: nothing is fetched;
+        ``"hold"``: re-published under the next generation; None: fetch)."""
 
     @classmethod
     def build(cls, settings: FetcherSettings, *, robots_store: RobotsStore, bodies: BodyStore,
@@ -134,6 +145,12 @@ class FetcherHandler:
         if later is not None:
             metrics.POLITENESS_DEFERRED.inc()
             return [later]
+        if self.before_fetch is not None:
+            verdict = await self.before_fetch(message)
+            if verdict == "drop":
+                return []
+            if verdict == "hold":
+                return [self._reschedule(message, utc_now())]
         return [await self._fetch(message, delivery, delay, time.perf_counter() - waiting)]
 
     async def _permit(self, url: str) -> RobotsRules:

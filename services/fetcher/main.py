@@ -9,7 +9,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
-from services.fetcher.handler import FRONTIER_ID_STAGE, FetcherHandler
+from services.fetcher.handler import FRONTIER_ID_STAGE, BeforeFetch, FetcherHandler
 from services.fetcher.settings import FetcherSettings
 from shared import subjects
 from shared.bus.loop import Delivery, Outbound
@@ -96,6 +96,18 @@ class RunningJobsOnly:
         self.holds = holds
         self.hold_s = hold_s
         self._work = asyncio.Semaphore(work_slots) if work_slots else None
+        handler.before_fetch = self.before_fetch
+
+    async def before_fetch(self, entry: FrontierEntry) -> BeforeFetch:
+        """Checked again when the entry's turn has come (after its politeness wait): its
+        job may have been cancelled, or its tenant suspended or paused, meanwhile."""
+        record = await self.jobs.cached(entry.tenant, entry.job_id)
+        if record is None or record.state is not JobState.RUNNING:
+            log.info("dropping %s: job %s is not running", entry.url, entry.job_id)
+            return "drop"
+        if self.holds is not None and await self.holds.hold_reason(entry.tenant) is not None:
+            return "hold"
+        return None
 
     async def handle(self, message: FrontierEntry, delivery: Delivery) -> list[Outbound]:
         record = await self.jobs.cached(message.tenant, message.job_id)

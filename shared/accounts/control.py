@@ -234,11 +234,20 @@ class TenantControl:
         return new
 
     async def rotate_creds(self, name: str, path: Path | None = None) -> Path:
-        """Issue the tenant user a new creds file; users issued before now are revoked."""
+        """Issue the tenant user a new creds file; users issued before now are revoked.
+
+        The new creds always replace the home folder's copy (:meth:`KeyStore.tenant_creds`,
+        which ``crawl``/``status`` on the mesh host use); ``path`` gets a copy as well.
+        Returns ``path`` if given, else the home folder's file.
+        """
         record = await self.registry.get(name)
         await self._push_tenant(record, revoke_before=int(time.time()))
         await asyncio.sleep(1.0)  # JWT iat has one-second resolution: issue after the cut
-        return self.write_tenant_creds(record, path)
+        home_copy = self.write_tenant_creds(record)
+        if path is None:
+            return home_copy
+        write_private(path, home_copy.read_bytes())
+        return path
 
     async def remove(self, name: str) -> TenantRecord:
         """Cancel the tenant's jobs and delete everything it has: MESH-side streams,

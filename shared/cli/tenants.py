@@ -236,8 +236,9 @@ def remove(
 def rotate_creds(
     name: str = typer.Argument(..., help="Tenant name or id."),
     output: Path | None = typer.Option(None, "--output", "-o",
-                                       help="Write the new creds file here (default: the "
-                                            "home folder's creds/tenants/NAME.creds)."),
+                                       help="Also write the new creds file here (the home "
+                                            "folder's creds/tenants/NAME.creds is always "
+                                            "replaced)."),
 ) -> None:
     """Issue the tenant user a new creds file; every earlier user of the tenant is revoked."""
     path = _control(lambda control: control.rotate_creds(name, output))

@@ -226,3 +226,28 @@ async def test_user_agent_comes_from_settings(site: Site, make_handler: MakeHand
     site.routes["/ua"] = record
     await fetch(make_handler(user_agent="testbot/9"), site.url("/ua"))
     assert seen == ["testbot/9"]
+
+
+@pytest.mark.parametrize("verdict", ["drop", "hold"])
+async def test_before_fetch_is_asked_after_the_politeness_wait(
+    site: Site, make_handler: MakeHandler, verdict: str,
+) -> None:
+    """A job cancelled (drop) or a tenant suspended (hold) while an entry waited for its
+    host's turn: nothing is requested; a held entry comes back under the next generation."""
+    site.pages = {"/a": (200, "text/html", HTML)}
+    handler = make_handler()
+    asked = []
+
+    async def before_fetch(e):  # type: ignore[no-untyped-def]
+        asked.append(e.url)
+        return verdict
+
+    handler.before_fetch = before_fetch
+    out = await handler.handle(entry(site.url("/a")), delivery())
+    assert asked == [site.url("/a")]
+    assert not [path for path in site.requests if path == "/a"]
+    if verdict == "drop":
+        assert out == []
+    else:
+        (again,) = out
+        assert again.subject.startswith("mesh.frontier.") and again.message.generation == 1
