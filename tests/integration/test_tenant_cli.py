@@ -149,12 +149,16 @@ def test_tenant_lifecycle(settings: MeshSettings, child_env: dict[str, str],
     assert "tenant acme resumed" in ok(env, "tenant", "resume", "acme").stdout
     assert not refused(env, creds)
 
-    # Rotate: the old creds are refused, the new ones (written where asked) work.
+    # Rotate: the old creds are refused; the new ones, written where asked and over the
+    # home folder's copy, work.
+    old = tmp_path / "acme-old.creds"
+    old.write_bytes(creds.read_bytes())
     new = tmp_path / "acme-new.creds"
     rotated = ok(env, "tenant", "rotate-creds", "acme", "--output", str(new))
     assert f"new creds for tenant acme: {new}" in rotated.stdout
     assert stat.S_IMODE(new.stat().st_mode) == 0o600
-    assert refused(env, creds)
+    assert creds.read_bytes() == new.read_bytes()
+    assert refused(env, old)
     assert not refused(env, new)
 
     # Remove: asks first; with --yes the account goes and its creds are refused.
