@@ -129,7 +129,8 @@ def _subject_matches(pattern: str, subject: str) -> bool:
 def _stream_specs() -> tuple[tuple[streams.StreamSpec, ...], tuple[streams.ConsumerSpec, ...]]:
     specs = (*streams.MESH_STREAMS, streams.intake_stream(_TENANT),
              streams.TENANT_RESULTS, streams.TENANT_EVENTS)
-    return specs, (*streams.MESH_CONSUMERS, streams.seeder_consumer(_TENANT),
+    return specs, (*streams.MESH_CONSUMERS, *streams.tenant_stage_consumers(_TENANT),
+                   streams.seeder_consumer(_TENANT),
                    streams.parked_consumer(_TENANT))
 
 

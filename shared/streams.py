@@ -188,17 +188,51 @@ def bodies_bucket(tenant: str) -> str:
 
 # ---- consumers ---------------------------------------------------------------------------
 
-DEDUP = ConsumerSpec(LINKS.name, "dedup", Stage.DEDUP)
 FETCHER = ConsumerSpec(FRONTIER.name, "fetcher", Stage.FETCHER)
-PARSER = ConsumerSpec(FETCHED.name, "parser", Stage.PARSER)
-SINK = ConsumerSpec(PARSED.name, "sink", Stage.SINK)
-SINK_EXPANDED = ConsumerSpec(EXPANDED.name, "sink-expanded", Stage.SINK)
 SINK_DLQ = ConsumerSpec(DLQ.name, "sink-dlq", Stage.SINK)
 DLQ_ADVISOR = ConsumerSpec(ADVISORIES.name, "dlq-advisor", Stage.SINK, unlimited_deliveries=True)
 
-MESH_CONSUMERS: tuple[ConsumerSpec, ...] = (
-    DEDUP, FETCHER, PARSER, SINK, SINK_EXPANDED, SINK_DLQ, DLQ_ADVISOR,
+MESH_CONSUMERS: tuple[ConsumerSpec, ...] = (FETCHER, SINK_DLQ, DLQ_ADVISOR)
+"""Consumers shared by all tenants. Dedup, parser and sink consume each tenant through its
+own consumer (:func:`tenant_stage_consumers`), so tenants take turns instead of queueing
+behind one another in one FIFO."""
+
+LEGACY_CONSUMERS: tuple[tuple[str, str], ...] = (
+    (LINKS.name, "dedup"), (FETCHED.name, "parser"), (PARSED.name, "sink"),
+    (EXPANDED.name, "sink-expanded"),
 )
+"""Shared consumers of earlier versions, replaced by per-tenant ones: :func:`ensure_mesh`
+deletes them (their pending messages stay in the work queue for the new consumers)."""
+
+
+def dedup_consumer(tenant: str) -> ConsumerSpec:
+    """Dedup's consumer of one tenant's discovered links."""
+    return ConsumerSpec(LINKS.name, f"dedup-{tenant}", Stage.DEDUP,
+                        filter_subject=f"mesh.links.{tenant}.>")
+
+
+def parser_consumer(tenant: str) -> ConsumerSpec:
+    """The parser's consumer of one tenant's fetched pages."""
+    return ConsumerSpec(FETCHED.name, f"parser-{tenant}", Stage.PARSER,
+                        filter_subject=f"mesh.fetched.{tenant}.>")
+
+
+def sink_consumer(tenant: str) -> ConsumerSpec:
+    """The sink's consumer of one tenant's parsed pages."""
+    return ConsumerSpec(PARSED.name, f"sink-{tenant}", Stage.SINK,
+                        filter_subject=f"mesh.parsed.{tenant}.>")
+
+
+def sink_expanded_consumer(tenant: str) -> ConsumerSpec:
+    """The sink's consumer of one tenant's page-expanded reports."""
+    return ConsumerSpec(EXPANDED.name, f"sink-expanded-{tenant}", Stage.SINK,
+                        filter_subject=f"mesh.expanded.{tenant}.>")
+
+
+def tenant_stage_consumers(tenant: str) -> tuple[ConsumerSpec, ...]:
+    """Every per-tenant consumer of the stage streams (created with the tenant)."""
+    return (dedup_consumer(tenant), parser_consumer(tenant), sink_consumer(tenant),
+            sink_expanded_consumer(tenant))
 
 
 def seeder_consumer(tenant: str) -> ConsumerSpec:
@@ -291,6 +325,11 @@ async def ensure_mesh(js: JetStreamContext, settings: MeshSettings) -> None:
         await ensure_stream(js, spec, settings)
     for consumer in MESH_CONSUMERS:
         await ensure_consumer(js, consumer, settings)
+    for stream, durable in LEGACY_CONSUMERS:
+        try:
+            await js.delete_consumer(stream, durable)
+        except NotFoundError:
+            pass
     for bucket, history in ((TENANTS_BUCKET, 1), (JOBS_BUCKET, 5), (PAGES_BUCKET, 1)):
         await ensure_kv(js, bucket, settings, history=history)
     await ensure_kv(js, ROBOTS_BUCKET, settings, ttl_s=ROBOTS_MAX_AGE_S)
@@ -318,6 +357,8 @@ async def ensure_tenant(js: JetStreamContext, tenant: str, settings: MeshSetting
     await ensure_stream(js, intake_stream(tenant), settings)
     await ensure_consumer(js, seeder_consumer(tenant), settings)
     await ensure_consumer(js, parked_consumer(tenant), settings)
+    for consumer in tenant_stage_consumers(tenant):
+        await ensure_consumer(js, consumer, settings)
     try:
         await js.object_store(bodies_bucket(tenant))
     except (NotFoundError, BadRequestError):
@@ -354,10 +395,11 @@ async def remove_tenant(js: JetStreamContext, tenant: str) -> None:
             await js.delete_stream(name)
         except NotFoundError:
             pass
-    try:
-        await js.delete_consumer(PARKED.name, parked_consumer(tenant).durable)
-    except NotFoundError:
-        pass
+    for spec in (parked_consumer(tenant), *tenant_stage_consumers(tenant)):
+        try:
+            await js.delete_consumer(spec.stream, spec.durable)
+        except NotFoundError:
+            pass
     filters = {
         LINKS.name: f"mesh.links.{tenant}.>", FRONTIER.name: f"mesh.frontier.*.{tenant}.>",
         FETCHED.name: f"mesh.fetched.{tenant}.>", PARSED.name: f"mesh.parsed.{tenant}.>",

@@ -21,11 +21,11 @@ from nats.js.object_store import ObjectStore
 from services.parser.handler import BodyUnavailableError, ParserHandler
 from services.parser.settings import ParserSettings
 from shared.bus.outcomes import TransientError
-from shared.bus.service import LoopSpec
+from shared.bus.service import LoopSpec, TenantLoops
 from shared.codec import DecodeError, decode
 from shared.contracts import BodyRef, ExtractionRule, FetchedPage, JobRecord
 from shared.settings import MeshSettings
-from shared.streams import JOBS_BUCKET, PARSER
+from shared.streams import JOBS_BUCKET, parser_consumer
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,13 @@ class KvJobRules:
         return rules
 
 
-async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
+async def setup(nc: Client, settings: MeshSettings) -> list[TenantLoops]:
+    """One loop per tenant (its own consumer on FETCHED), sharing ``settings.concurrency``
+    handler slots handed out in arrival order: tenants take turns (round-robin draining)."""
     js = nc.jetstream()
     handler = ParserHandler(ObjectStoreBodies(js), KvJobRules(js), ParserSettings().limits())
-    return [LoopSpec(PARSER, FetchedPage, handler)]
+
+    def pages(tenant: str) -> LoopSpec:
+        return LoopSpec(parser_consumer(tenant), FetchedPage, handler)
+
+    return [TenantLoops("parser", pages, shared_slots=settings.concurrency)]

@@ -32,7 +32,12 @@ from shared.contracts import DeadLetter, PageExpanded, PageResult, ParsedPage
 from shared.contracts.base import Contract
 from shared.jobs import JobStore, ledger_counts
 from shared.settings import MeshSettings
-from shared.streams import SINK, SINK_DLQ, SINK_EXPANDED, parked_consumer
+from shared.streams import (
+    SINK_DLQ,
+    parked_consumer,
+    sink_consumer,
+    sink_expanded_consumer,
+)
 from shared.telemetry import metrics
 from shared.telemetry.jetstream import publish_jetstream_gauges
 from shared.tenantgate import TenantGate
@@ -102,9 +107,18 @@ async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec | TenantLoo
     def parked_loop(tenant_id: str) -> LoopSpec:
         return LoopSpec(parked_consumer(tenant_id), PageResult, parked, concurrency=1)
 
+    result_handler, expansion_handler = ResultHandler(ledger), ExpansionHandler(ledger)
+
+    def results_loop(tenant_id: str) -> LoopSpec:
+        return LoopSpec(sink_consumer(tenant_id), ParsedPage, result_handler)
+
+    def expanded_loop(tenant_id: str) -> LoopSpec:
+        return LoopSpec(sink_expanded_consumer(tenant_id), PageExpanded, expansion_handler)
+
+    # Per tenant (tenants take turns for the shared slots: round-robin draining).
     return [
-        LoopSpec(SINK, ParsedPage, ResultHandler(ledger)),
-        LoopSpec(SINK_EXPANDED, PageExpanded, ExpansionHandler(ledger)),
+        TenantLoops("sink", results_loop, shared_slots=settings.concurrency),
+        TenantLoops("sink-expanded", expanded_loop, shared_slots=settings.concurrency),
         LoopSpec(SINK_DLQ, DeadLetter, DeadLetterHandler(ledger)),
         TenantLoops("sink-parked", parked_loop),
     ]

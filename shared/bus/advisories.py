@@ -20,7 +20,7 @@ from pydantic import ConfigDict
 from shared.bus.deadletter import DeadLetterPublisher
 from shared.bus.loop import Delivery, Outbound
 from shared.contracts.base import Contract
-from shared.streams import DLQ, MESH_CONSUMERS, ConsumerSpec
+from shared.streams import DLQ, EXPANDED, FETCHED, LINKS, MESH_CONSUMERS, PARSED, ConsumerSpec
 from shared.subjects import Stage
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ def stage_of(stream: str, consumer: str, extra: Sequence[ConsumerSpec] = ()) -> 
     for spec in (*MESH_CONSUMERS, *extra):
         if spec.durable == consumer and spec.stream == stream:
             return spec.stage
+    by_stream = {LINKS.name: Stage.DEDUP, FETCHED.name: Stage.PARSER, PARSED.name: Stage.SINK,
+                 EXPANDED.name: Stage.SINK}  # per-tenant consumers (tenant_stage_consumers)
+    if stream in by_stream:
+        return by_stream[stream]
     if stream.startswith("INTAKE_"):
         return Stage.SEEDER
     return Stage.SINK

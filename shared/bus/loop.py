@@ -134,6 +134,7 @@ class ConsumeLoop(Generic[M]):
         *,
         concurrency: int | None = None,
         decoder: Callable[[bytes], M] | None = None,
+        pool: asyncio.Semaphore | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -144,6 +145,10 @@ class ConsumeLoop(Generic[M]):
         self.settings = settings
         self.stop = stop
         self.concurrency = concurrency or settings.concurrency
+        self.pool = pool
+        """Handler slots shared with other loops (one per tenant): a delivery waits for a
+        slot with its ``in_progress`` heartbeat running; asyncio wakes waiters in arrival
+        order, so the loops of several tenants take turns."""
         self.dead_letters = DeadLetterPublisher(self.js)
         self.max_deliver = -1 if spec.unlimited_deliveries else settings.max_deliver
         self._tasks: set[asyncio.Task[None]] = set()
@@ -219,8 +224,13 @@ class ConsumeLoop(Generic[M]):
                 if self._fault is not None and self._fault.search(msg.data):
                     raise RuntimeError(
                         f"injected fault (CRAWLMESH_FAULT_INJECT) in {self.spec.stage}")
-                outputs = await self.handler.handle(message, delivery)
-                await publish_all(self.js, outputs)
+                if self.pool is None:
+                    outputs = await self.handler.handle(message, delivery)
+                    await publish_all(self.js, outputs)
+                else:
+                    async with self.pool:
+                        outputs = await self.handler.handle(message, delivery)
+                        await publish_all(self.js, outputs)
             except asyncio.CancelledError:
                 heartbeat.cancel()
                 tracing.settled(span, "nak", "cancelled (stopping)")

@@ -64,6 +64,10 @@ class TenantLoops:
 
     name: str
     factory: Callable[[str], LoopSpec]
+    shared_slots: int | None = None
+    """Handlers running at once over every tenant's loop of this kind (None: each loop has
+    its own ``concurrency``). With it a tenant with a large backlog takes its turn with the
+    others instead of holding every slot: round-robin draining across tenants."""
 
 
 Setup = Callable[[Client, MeshSettings], Awaitable[Sequence[LoopSpec | TenantLoops]]]
@@ -165,6 +169,8 @@ class TenantSupervisor:
         self.stop = stop
         self.poll_s = poll_s
         self.running: dict[tuple[str, str], tuple[asyncio.Event, asyncio.Task[None]]] = {}
+        self.pools = {lp.name: asyncio.Semaphore(lp.shared_slots)
+                      for lp in self.loops if lp.shared_slots}
 
     async def tenants(self) -> set[str]:
         """Ids of the registered tenants (keys ``tenant.<id>`` of the ``tenants`` bucket)."""
@@ -212,6 +218,6 @@ class TenantSupervisor:
                 loop_stop = asyncio.Event()
                 loop = ConsumeLoop(self.nc, spec.consumer, spec.model, spec.handler,
                                    self.settings, loop_stop, concurrency=spec.concurrency,
-                                   decoder=spec.decoder)
+                                   decoder=spec.decoder, pool=self.pools.get(loops.name))
                 log.info("starting %s loop of tenant %s", loops.name, tenant)
                 self.running[(tenant, loops.name)] = (loop_stop, asyncio.create_task(loop.run()))

@@ -8,8 +8,9 @@ aggregate with ``max by (stream, consumer)`` / ``max by (tenant)``.
 **With what access.** The sink's MESH user reads, every ``MeshSettings.metrics_refresh_s``
 seconds:
 
-- ``$JS.API.CONSUMER.INFO.<stream>.<durable>`` for each MESH consumer
-  (:data:`shared.streams.MESH_CONSUMERS`): ``num_pending`` ->
+- ``$JS.API.CONSUMER.INFO.<stream>.<durable>`` for each shared consumer
+  (:data:`shared.streams.MESH_CONSUMERS`) and each tenant's stage consumers
+  (:func:`shared.streams.tenant_stage_consumers`, e.g. ``dedup-<tenant>``): ``num_pending`` ->
   ``crawlmesh_consumer_pending_messages``, ``num_ack_pending`` ->
   ``crawlmesh_consumer_ack_pending_messages``;
 - each tenant's ``RESULTS`` and ``EVENTS`` stream info, through MESH's imports of the
@@ -33,7 +34,7 @@ from nats.js.errors import NotFoundError
 
 from shared.accounts.claims import stream_info_subject
 from shared.settings import MeshSettings
-from shared.streams import EVENTS, MESH_CONSUMERS, RESULTS
+from shared.streams import EVENTS, MESH_CONSUMERS, RESULTS, tenant_stage_consumers
 from shared.telemetry import metrics
 from shared.tenancy import TenantRegistry
 
@@ -55,14 +56,16 @@ async def read_snapshot(js: JetStreamContext, settings: MeshSettings) -> JetStre
         nats.errors.Error / TimeoutError: the JetStream API did not answer.
     """
     consumers: dict[tuple[str, str], tuple[int, int]] = {}
-    for spec in MESH_CONSUMERS:
+    records = await TenantRegistry(js).records()
+    per_tenant = [spec for record in records for spec in tenant_stage_consumers(record.id)]
+    for spec in (*MESH_CONSUMERS, *per_tenant):
         try:
             info = await js.consumer_info(spec.stream, spec.durable)
         except NotFoundError:
             continue
         consumers[(spec.stream, spec.durable)] = (info.num_pending or 0, info.num_ack_pending or 0)
     tenants: dict[str, tuple[int, int]] = {}
-    for record in await TenantRegistry(js).records():
+    for record in records:
         used = 0
         for stream in (RESULTS, EVENTS):
             try:

@@ -1,7 +1,8 @@
 """A handler process for the consume-loop tests: a real service process the tests can kill.
 
 Run as ``python handler_proc.py <mode> [args]`` with ``CRAWLMESH_*`` settings in the
-environment. It consumes the ``dedup`` consumer of ``LINKS`` (input
+environment and the tenant id in ``TEST_TENANT``. It consumes that tenant's dedup consumer
+of ``LINKS`` (input
 :class:`DiscoveredLinks`) and reports what it does on stdout, one line per event, so the
 test can wait on events instead of sleeping:
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from urllib.parse import urlsplit
@@ -87,17 +89,18 @@ class SlowForwarder:
         return frontier_outputs(message)
 
 
-async def hang_last(settings: MeshSettings) -> None:
+async def hang_last(settings: MeshSettings, tenant: str) -> None:
     nc: Client = await connect(settings, name="crawlmesh-test-hang")
-    loop = ConsumeLoop(nc, streams.DEDUP, DiscoveredLinks,
+    loop = ConsumeLoop(nc, streams.dedup_consumer(tenant), DiscoveredLinks,
                        HangOnLastDelivery(settings.max_deliver), settings, asyncio.Event())
     report("ready")
     await loop.run()
 
 
-async def drain(settings: MeshSettings, delay_s: float, hang: bool) -> None:
+async def drain(settings: MeshSettings, tenant: str, delay_s: float, hang: bool) -> None:
     async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
-        return [LoopSpec(streams.DEDUP, DiscoveredLinks, SlowForwarder(delay_s, hang))]
+        return [LoopSpec(streams.dedup_consumer(tenant), DiscoveredLinks,
+                         SlowForwarder(delay_s, hang))]
 
     report("ready")
     await run_service("drain-test", settings, setup)
@@ -108,11 +111,12 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = MeshSettings()
+    tenant = os.environ["TEST_TENANT"]
     match argv:
         case ["hang-last"]:
-            asyncio.run(hang_last(settings))
+            asyncio.run(hang_last(settings, tenant))
         case ["drain", delay_s, hang]:
-            asyncio.run(drain(settings, float(delay_s), hang == "1"))
+            asyncio.run(drain(settings, tenant, float(delay_s), hang == "1"))
         case _:
             raise SystemExit(f"usage: handler_proc.py hang-last | drain <delay_s> <0|1>: {argv}")
 

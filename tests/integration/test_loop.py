@@ -32,7 +32,7 @@ from shared.bus.advisories import MaxDeliveriesAdvisory, MaxDeliveriesHandler
 from shared.bus.connection import connect
 from shared.bus.loop import ConsumeLoop, Delivery, Handler, Outbound, publish_all
 from shared.bus.outcomes import TransientError
-from shared.bus.service import TenantSupervisor
+from shared.bus.service import LoopSpec, TenantLoops, TenantSupervisor, run_loops
 from shared.codec import decode, encode
 from shared.contracts import DeadLetter, DiscoveredLinks, FrontierEntry, Link, LinkOrigin
 from shared.contracts.base import Contract
@@ -140,9 +140,11 @@ async def consumer_settled(js: JetStreamContext, spec: streams.ConsumerSpec) -> 
     return info.num_ack_pending == 0 and info.num_pending == 0
 
 
-async def settled_after(js: JetStreamContext, handler: Forwarder, deliveries: int) -> bool:
+async def settled_after(js: JetStreamContext, handler: Forwarder, deliveries: int,
+                        tenant: str) -> bool:
     """True once ``handler`` saw ``deliveries`` deliveries and the dedup consumer settled."""
-    return len(handler.deliveries) >= deliveries and await consumer_settled(js, streams.DEDUP)
+    return len(handler.deliveries) >= deliveries and await consumer_settled(
+        js, streams.dedup_consumer(tenant))
 
 
 def with_settings(settings: MeshSettings, **changes: Any) -> MeshSettings:
@@ -201,7 +203,7 @@ class Child:
 
 @pytest.fixture
 async def spawn(
-    child_env: dict[str, str], tmp_path: Path
+    child_env: dict[str, str], tmp_path: Path, tenant: str
 ) -> AsyncIterator[Callable[..., Awaitable[Child]]]:
     """Start ``handler_proc.py`` children; any still running at teardown is SIGKILLed."""
     children: list[Child] = []
@@ -211,7 +213,7 @@ async def spawn(
         with stderr_path.open("wb") as stderr:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, str(HANDLER_PROC), *args, cwd=REPO_ROOT,
-                env={**child_env, **(env or {})},
+                env={**child_env, "TEST_TENANT": tenant, **(env or {})},
                 stdout=asyncio.subprocess.PIPE, stderr=stderr,
             )
         child = Child(proc, stderr_path)
@@ -236,9 +238,9 @@ async def test_outputs_are_published_then_input_acked(
     seq = await publish_links(js, tenant, job, *urls, headers={"traceparent": traceparent})
     handler = Forwarder()
 
-    async with running(nc, streams.DEDUP, DiscoveredLinks, handler, settings):
+    async with running(nc, streams.dedup_consumer(tenant), DiscoveredLinks, handler, settings):
         await eventually(lambda: count(js, streams.FRONTIER.name), what="outputs")
-        await eventually(lambda: consumer_settled(js, streams.DEDUP), what="input acked")
+        await eventually(lambda: consumer_settled(js, streams.dedup_consumer(tenant)), what="input acked")
 
     assert await count(js, streams.LINKS.name) == 0  # work queue: acked means removed
     outputs = await stream_msgs(js, streams.FRONTIER.name)
@@ -273,8 +275,8 @@ async def test_failed_publish_leaves_input_unacked_for_retry(
             return outputs
 
     handler = FirstPublishFails()
-    async with running(nc, streams.DEDUP, DiscoveredLinks, handler, settings):
-        await eventually(lambda: settled_after(js, handler, 2), what="second delivery acked")
+    async with running(nc, streams.dedup_consumer(tenant), DiscoveredLinks, handler, settings):
+        await eventually(lambda: settled_after(js, handler, 2, tenant), what="second delivery acked")
 
     assert handler.delivered == [1, 2]
     assert await count(js, streams.FRONTIER.name) == 1  # attempt 1's output de-duplicated
@@ -309,11 +311,11 @@ async def test_redelivery_after_publish_produces_no_duplicate(
     await publish_links(js, tenant, job, "http://a.example/", "http://b.example/")
     handler = Forwarder()
 
-    async with running(nc, streams.DEDUP, DiscoveredLinks, handler, settings,
+    async with running(nc, streams.dedup_consumer(tenant), DiscoveredLinks, handler, settings,
                        loop_class=CrashBeforeFirstAck):
         await eventually(lambda: count(js, streams.FRONTIER.name), what="first outputs")
         # Redelivered after the ack wait (1 s), handled again, acked this time.
-        await eventually(lambda: settled_after(js, handler, 2), what="redelivery acked")
+        await eventually(lambda: settled_after(js, handler, 2, tenant), what="redelivery acked")
 
     assert handler.delivered == [1, 2]
     assert handler.deliveries[0].stream_seq == handler.deliveries[1].stream_seq
@@ -337,7 +339,7 @@ async def test_transient_errors_are_retried_on_the_backoff_schedule(
 ) -> None:
     """Two TransientErrors, then success: retried after backoff[n-1] (or the error's delay)."""
     settings = with_settings(settings, backoff_s=(0.5, 1.5, 1.5))
-    await streams.ensure_consumer(js, streams.DEDUP, settings)
+    await streams.ensure_consumer(js, streams.dedup_consumer(tenant), settings)
     await publish_links(js, tenant, job, "http://a.example/")
 
     async def fail_twice(delivery: Delivery) -> None:
@@ -345,9 +347,9 @@ async def test_transient_errors_are_retried_on_the_backoff_schedule(
             raise TransientError(f"flaky {delivery.delivered}", retry_after_s=retry_after_s)
 
     handler = Forwarder(fail_twice)
-    async with running(nc, streams.DEDUP, DiscoveredLinks, handler, settings):
+    async with running(nc, streams.dedup_consumer(tenant), DiscoveredLinks, handler, settings):
         await eventually(lambda: count(js, streams.FRONTIER.name), what="output")
-        await eventually(lambda: consumer_settled(js, streams.DEDUP), what="input acked")
+        await eventually(lambda: consumer_settled(js, streams.dedup_consumer(tenant)), what="input acked")
 
     assert handler.delivered == [1, 2, 3]
     gaps = [b - a for a, b in zip(handler.times, handler.times[1:], strict=False)]
@@ -380,9 +382,10 @@ async def test_invalid_payload_is_dead_lettered_at_once(
     seq = (await js.publish(subject, payload, headers={"traceparent": "00-abc-def-01"})).seq
     handler = Forwarder()
 
-    async with running(nc, streams.DEDUP, DiscoveredLinks, handler, settings):
+    async with running(nc, streams.dedup_consumer(tenant), DiscoveredLinks, handler, settings):
         await eventually(lambda: count(js, streams.DLQ.name), what="dead letter")
-        await eventually(lambda: consumer_settled(js, streams.DEDUP), what="input terminated")
+        await eventually(lambda: consumer_settled(js, streams.dedup_consumer(tenant)),
+                         what="input terminated")
 
     assert handler.deliveries == []  # the handler never sees an invalid message
     [raw] = await stream_msgs(js, streams.DLQ.name)
@@ -398,7 +401,7 @@ async def test_invalid_payload_is_dead_lettered_at_once(
     assert letter.headers["traceparent"] == "00-abc-def-01"
     # Terminated: gone from the work queue, never redelivered.
     assert await count(js, streams.LINKS.name) == 0
-    info = await js.consumer_info(streams.LINKS.name, streams.DEDUP.durable)
+    info = await js.consumer_info(streams.LINKS.name, streams.dedup_consumer(tenant).durable)
     assert info.num_redelivered == 0 and info.delivered.stream_seq == seq
 
 
@@ -414,9 +417,10 @@ async def test_always_failing_handler_is_dead_lettered_after_max_deliver(
         raise RuntimeError(f"boom on delivery {delivery.delivered}")
 
     handler = Forwarder(boom)
-    async with running(nc, streams.DEDUP, DiscoveredLinks, handler, settings):
+    async with running(nc, streams.dedup_consumer(tenant), DiscoveredLinks, handler, settings):
         await eventually(lambda: count(js, streams.DLQ.name), what="dead letter")
-        await eventually(lambda: consumer_settled(js, streams.DEDUP), what="input terminated")
+        await eventually(lambda: consumer_settled(js, streams.dedup_consumer(tenant)),
+                         what="input terminated")
 
     assert handler.delivered == [1, 2, 3] == list(range(1, settings.max_deliver + 1))
     [letter] = await dead_letters(js)
@@ -448,12 +452,13 @@ async def test_process_killed_on_last_delivery_is_dead_lettered_by_advisory(
     # message only when a pull request is waiting after the ack wait; it then emits the
     # MAX_DELIVERIES advisory, which the ADVISORIES stream keeps while no advisor runs.
     replacement = Forwarder()
-    async with running(nc, streams.DEDUP, DiscoveredLinks, replacement, settings):
+    async with running(nc, streams.dedup_consumer(tenant), DiscoveredLinks, replacement, settings):
         await eventually(lambda: count(js, streams.ADVISORIES.name),
                          what="MAX_DELIVERIES advisory", timeout_s=10)
         assert await count(js, streams.DLQ.name) == 0  # the in-loop path never got to act
         [advisory] = await stream_msgs(js, streams.ADVISORIES.name)
-        assert advisory.subject == f"{streams.ADVISORY_MAX_DELIVERIES}.LINKS.dedup"
+        assert advisory.subject == (f"{streams.ADVISORY_MAX_DELIVERIES}.LINKS."
+                                    f"{streams.dedup_consumer(tenant).durable}")
 
         async with running(nc, streams.DLQ_ADVISOR, MaxDeliveriesAdvisory,
                            MaxDeliveriesHandler(js), settings, concurrency=4):
@@ -542,7 +547,7 @@ async def test_stop_with_every_slot_busy_is_bounded_by_the_grace_period(
 
     handler = Forwarder(stick)
     stop = asyncio.Event()
-    loop = ConsumeLoop(nc, streams.DEDUP, DiscoveredLinks, handler, settings, stop,
+    loop = ConsumeLoop(nc, streams.dedup_consumer(tenant), DiscoveredLinks, handler, settings, stop,
                        concurrency=1)
     task = asyncio.create_task(loop.run())
     await asyncio.wait_for(started.wait(), 10)
@@ -554,8 +559,8 @@ async def test_stop_with_every_slot_busy_is_bounded_by_the_grace_period(
     # Nak'd, not lost: the message is still there and is redelivered at once.
     assert await count(js, streams.LINKS.name) == 1
     again = Forwarder()
-    async with running(nc, streams.DEDUP, DiscoveredLinks, again, settings):
-        await eventually(lambda: settled_after(js, again, 1), what="redelivery acked",
+    async with running(nc, streams.dedup_consumer(tenant), DiscoveredLinks, again, settings):
+        await eventually(lambda: settled_after(js, again, 1, tenant), what="redelivery acked",
                          timeout_s=5)
     assert [(d.stream_seq, d.delivered) for d in again.deliveries] == [(seq, 2)]
 
@@ -590,20 +595,22 @@ async def test_ensure_is_idempotent_and_follows_settings(
     assert links.retention == RetentionPolicy.WORK_QUEUE
     assert not links.allow_rollup_hdrs and not links.allow_msg_ttl
     assert not links.allow_msg_schedules
-    dedup = (await js.consumer_info(streams.LINKS.name, streams.DEDUP.durable)).config
+    dedup = (await js.consumer_info(streams.LINKS.name,
+                                    streams.dedup_consumer(tenant).durable)).config
     assert dedup.max_deliver == 3 and dedup.backoff == [1.0, 1.0, 1.0]
     assert dedup.ack_wait == 1.0 and dedup.ack_policy == AckPolicy.EXPLICIT
 
     changed = with_settings(settings, stage_max_bytes=32 << 20, stage_max_msgs_per_subject=100,
                             max_deliver=5, backoff_s=(0.5, 2.0, 4.0), max_ack_pending=64)
     await streams.ensure_mesh(js, changed)
+    await streams.ensure_tenant(js, tenant, changed)
 
     links = (await js.stream_info(streams.LINKS.name)).config
     assert links.max_bytes == 32 << 20
     assert links.max_msgs_per_subject == 100 and links.discard_new_per_subject
     assert links.duplicate_window == changed.duplicate_window_s
     assert (await js.stream_info(streams.DLQ.name)).config.max_msgs_per_subject == -1
-    for spec in (streams.DEDUP, streams.FETCHER, streams.PARSER, streams.SINK):
+    for spec in (streams.FETCHER, *streams.tenant_stage_consumers(tenant)):
         config = (await js.consumer_info(spec.stream, spec.durable)).config
         assert config.max_deliver == 5, spec.durable
         assert config.backoff == [0.5, 2.0, 4.0], spec.durable
@@ -666,3 +673,39 @@ async def test_a_tenant_added_at_run_time_is_served_and_a_removed_one_is_not(
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
+
+
+# ---- fairness: tenants take turns for a stage's shared slots ------------------------------
+
+
+async def test_tenants_take_turns_for_shared_slots(
+    nc: Client, js: JetStreamContext, settings: MeshSettings, tenant: str, job: str,
+) -> None:
+    """Tenant A queues 60 messages before tenant B queues 5. With one consumer per tenant
+    sharing 2 handler slots (``TenantLoops.shared_slots``), B's messages are handled
+    among A's first ones instead of after A's whole backlog (one FIFO would put them last)."""
+    async with TenantControl.open(settings) as control:
+        other = (await control.add("other")).id
+    for i in range(60):
+        await publish_links(js, tenant, job, f"http://a.example/{i}")
+    for i in range(5):
+        await publish_links(js, other, job, f"http://b.example/{i}")
+
+    async def slow(_: Delivery) -> None:
+        await asyncio.sleep(0.02)
+
+    handler = Forwarder(slow)
+    loops = TenantLoops(
+        "dedup", lambda t: LoopSpec(streams.dedup_consumer(t), DiscoveredLinks, handler),
+        shared_slots=2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_loops(nc, settings, [loops], stop, poll_s=0.2))
+    try:
+        await eventually(lambda: asyncio.sleep(0, len(handler.deliveries) >= 65),
+                         what="every message handled", timeout_s=30)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+    order = [d.tenant for d in handler.deliveries]
+    last_b = max(i for i, t in enumerate(order) if t == other)
+    assert last_b < 30, f"tenant B's last message was handled {last_b + 1}th of 65: {order}"

@@ -163,10 +163,11 @@ def test_sink_publishes_jetstream_gauges(crawled: Crawled) -> None:
     assert total(sink, "crawlmesh_tenant_storage_limit_bytes", tenant=tenant) == limit
     consumers = {(s.labels["stream"], s.labels["consumer"]) for s in sink
                  if s.name == "crawlmesh_consumer_pending_messages"}
-    assert {("LINKS", "dedup"), ("FRONTIER", "fetcher"), ("FETCHED", "parser"),
-            ("PARSED", "sink")} <= consumers
+    assert {("LINKS", f"dedup-{tenant}"), ("FRONTIER", "fetcher"),
+            ("FETCHED", f"parser-{tenant}"), ("PARSED", f"sink-{tenant}")} <= consumers
     assert total(sink, "crawlmesh_consumer_pending_messages") == 0  # the job is done
-    assert total(sink, "crawlmesh_consumer_ack_pending_messages", consumer="sink") == 0
+    assert total(sink, "crawlmesh_consumer_ack_pending_messages",
+                 consumer=f"sink-{tenant}") == 0
     for name, service_url in crawled.mesh.metrics.items():  # only the sink publishes them
         if name != "sink":
             assert total(scrape(service_url), "crawlmesh_tenant_storage_bytes") == 0, name

@@ -69,9 +69,13 @@ class Sink:
 
 
 async def sink(nc: Client, settings: MeshSettings) -> Sink:
-    specs = {spec.consumer.durable: spec.handler for spec in await setup(nc, settings)
-             if isinstance(spec, LoopSpec)}
-    return Sink(specs["sink"], specs["sink-expanded"], specs["sink-dlq"])
+    specs: dict[str, object] = {}
+    for spec in await setup(nc, settings):
+        if isinstance(spec, LoopSpec):
+            specs[spec.consumer.durable] = spec.handler
+        else:  # one loop per tenant, the same handler for every tenant
+            specs[spec.name] = spec.factory("ANYTENANT").handler
+    return Sink(specs["sink"], specs["sink-expanded"], specs["sink-dlq"])  # type: ignore[arg-type]
 
 
 def fp(path: str) -> str:

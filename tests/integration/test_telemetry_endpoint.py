@@ -47,14 +47,14 @@ async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 10.
 
 
 async def test_readyz_follows_the_consumers_of_the_service(
-    settings: MeshSettings, js: JetStreamContext
+    settings: MeshSettings, js: JetStreamContext, tenant: str
 ) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     stop = asyncio.Event()
 
     async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
-        return [LoopSpec(streams.DEDUP, DiscoveredLinks, Nothing())]
+        return [LoopSpec(streams.dedup_consumer(tenant), DiscoveredLinks, Nothing())]
 
     service = asyncio.create_task(run_service(
         "probe-test", settings.model_copy(update={"metrics_port": port}), setup, stop))
@@ -68,12 +68,13 @@ async def test_readyz_follows_the_consumers_of_the_service(
         assert (await get(f"{base}/healthz")).text == "ok\n"
         assert "crawlmesh_handler_duration_seconds" in (await get(f"{base}/metrics")).text
 
-        await js.delete_consumer(streams.DEDUP.stream, streams.DEDUP.durable)
+        dedup = streams.dedup_consumer(tenant)
+        await js.delete_consumer(dedup.stream, dedup.durable)
         answer = await get(f"{base}/readyz")
         assert answer.status_code == 503
-        assert "consumer dedup on LINKS does not exist" in answer.text
+        assert f"consumer {dedup.durable} on LINKS does not exist" in answer.text
 
-        await streams.ensure_consumer(js, streams.DEDUP, settings)
+        await streams.ensure_consumer(js, streams.dedup_consumer(tenant), settings)
         assert (await get(f"{base}/readyz")).status_code == 200
     finally:
         stop.set()
