@@ -27,6 +27,7 @@ from services.fetcher.decoding import ACCEPT_ENCODING, BoundedDecoder, ContentDe
 from services.fetcher.egress import EgressPolicy, GuardedNetworkBackend
 from services.fetcher.retry import FailureKind
 from services.fetcher.settings import FetcherSettings
+from shared.urls import UrlError
 
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 """Statuses whose ``Location`` the fetcher follows (by hand, one hop at a time)."""
@@ -70,11 +71,17 @@ def resolve_location(base: str, location: str) -> str:
     ``base`` (relative, scheme-relative, ``http:path``) and percent-encoded like a
     browser's address bar (spaces and non-ASCII in UTF-8, host in IDNA) by w3lib's
     ``safe_url_string``.
+
+    Raises:
+        UrlError: a ``Location`` no URL can be made of (e.g. ``http://[bad``).
     """
     location = _TAB_OR_NEWLINE.sub("", location.strip(_C0_OR_SPACE))
     cut = min((i for i in (location.find("?"), location.find("#")) if i >= 0), default=len(location))
     location = location[:cut].replace("\\", "/") + location[cut:]
-    return safe_url_string(urljoin(base, location))
+    try:
+        return safe_url_string(urljoin(base, location))
+    except (ValueError, UnicodeError) as error:
+        raise UrlError(f"invalid Location {location!r}: {error}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +122,19 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
         )
 
 
+class _Client(httpx.AsyncClient):
+    """An ``httpx.AsyncClient`` that never builds a redirect request.
+
+    httpx builds the next request of every 3xx even with ``follow_redirects=False``, and
+    raises on a ``Location`` it cannot parse (``mailto:x``, ``http://[bad``), losing the
+    answer. Redirects are resolved by :func:`resolve_location` instead, so the (private)
+    builder is replaced; ``response.next_request`` is then meaningless and unused.
+    """
+
+    def _build_redirect_request(self, request: httpx.Request, response: httpx.Response) -> httpx.Request:
+        return request
+
+
 def build_client(
     settings: FetcherSettings, policy: EgressPolicy,
     inner_backend: httpcore.AsyncNetworkBackend | None = None,
@@ -128,7 +148,7 @@ def build_client(
                           max_keepalive_connections=settings.max_connections // 2)
     timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
     transport = GuardedTransport(GuardedNetworkBackend(policy, inner_backend), limits)
-    return httpx.AsyncClient(
+    return _Client(
         transport=transport, timeout=timeout, follow_redirects=False, trust_env=False,
         headers={"User-Agent": settings.user_agent, "Accept-Encoding": ACCEPT_ENCODING},
     )

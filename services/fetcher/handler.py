@@ -311,16 +311,17 @@ class FetcherHandler:
                     raise TransientError(str(error)) from None
                 return [await self._page_out(entry, url, error=str(error), elapsed_s=elapsed_s)]
             elapsed_s += response.elapsed_s
-            target = _next_hop(response)
-            if target is None:
-                _observe(response, elapsed_s)
-                return [await self._answer(entry, response, delivery, host, elapsed_s)]
             try:
-                target = canonical_url(target)
+                target = _next_hop(response)
+                if target is not None:
+                    target = canonical_url(target)
             except UrlError as error:
                 _observe(response, elapsed_s)
                 return [await self._page_out(entry, url, error=f"bad redirect: {error}",
                                              elapsed_s=elapsed_s)]
+            if target is None:
+                _observe(response, elapsed_s)
+                return [await self._answer(entry, response, delivery, host, elapsed_s)]
             if target in seen:
                 _observe(response, elapsed_s)
                 return [await self._page_out(entry, url, error=f"redirect loop: {url} -> {target}",
