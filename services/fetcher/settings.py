@@ -13,8 +13,9 @@ e.g.::
 from __future__ import annotations
 
 from ipaddress import IPv4Network, IPv6Network
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.fetcher.retry import RETRY_HTTP_CODES
@@ -46,9 +47,18 @@ class FetcherSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CRAWLMESH_FETCHER_", extra="ignore", frozen=True)
 
     # HTTP
+    product_token: str = Field(
+        "crawlmesh", pattern=r"^[a-zA-Z_-]+$",
+        description="Our robots.txt product token (RFC 9309 §2.2.1); starts the default User-Agent.",
+    )
+    contact_url: str = Field(
+        "https://github.com/crawlmesh/crawlmesh",
+        description="Where site owners learn about the crawler and reach its operator.",
+    )
     user_agent: str = Field(
-        "crawlmesh/0.1 (+https://github.com/crawlmesh/crawlmesh)",
-        description="User-Agent header; robots.txt groups are matched against it.",
+        "",
+        description="User-Agent header; default '<product_token>/0.1 (+<contact_url>)'. "
+        "robots.txt groups are matched against its leading product token.",
     )
     connect_timeout_s: float = Field(5.0, gt=0, description="DNS + TCP (+ TLS) connect timeout.")
     read_timeout_s: float = Field(10.0, gt=0, description="Longest wait for any chunk of a response.")
@@ -141,6 +151,15 @@ class FetcherSettings(BaseSettings):
         return {pattern.lower(): rule for pattern, rule in rules.items()}
 
     # ---- end of the shared politeness section --------------------------------------------
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_user_agent(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("user_agent"):
+            token = data.get("product_token") or cls.model_fields["product_token"].default
+            contact = data.get("contact_url") or cls.model_fields["contact_url"].default
+            data = {**data, "user_agent": f"{token}/0.1 (+{contact})"}
+        return data
 
     @field_validator("host_delays")
     @classmethod
