@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import orjson
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
 from shared.streams import LEASES_BUCKET
 from shared.subjects import PARTITIONS
@@ -163,11 +163,11 @@ class PartitionLeases:
 
         rows = await asyncio.gather(*(one(p) for p in range(self.partitions)))
         live = 1
-        try:
-            keys = await kv.keys(filters=["fetcher.*"])
-        except Exception:  # nats-py raises NoKeysError when there is none
+        try:  # (nats-py's key filters match substrings, not subjects: filter here)
+            keys = await kv.keys()
+        except NoKeysError:
             keys = []
-        beats = [k for k in keys if k != heartbeat_key(self.owner)]
+        beats = [k for k in keys if k.startswith("fetcher.") and k != heartbeat_key(self.owner)]
 
         async def alive(key: str) -> bool:
             try:

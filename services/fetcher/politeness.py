@@ -95,6 +95,7 @@ class _Host:
     last_delay_s: float = 0.0
     factor: float = 1.0
     loaded: bool = False  # read from the store since the last forget()
+    writing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one store write at a time
 
 
 class HostPoliteness:
@@ -254,12 +255,16 @@ class HostPoliteness:
                           factor=state.factor)
 
     async def _save(self, host: str, state: _Host) -> None:
+        """Write ``host``'s state. Writes of one host are serialised and each takes the
+        state as it is when its turn comes, so a late write never puts back an older
+        next-due time."""
         if self.store is None:
             return
-        try:
-            await self.store.put(host, self._record(state))
-        except Exception as error:
-            log.warning("cannot write the politeness state of %s: %r", host, error)
+        async with state.writing:
+            try:
+                await self.store.put(host, self._record(state))
+            except Exception as error:
+                log.warning("cannot write the politeness state of %s: %r", host, error)
 
     def _save_soon(self, host: str, state: _Host) -> None:
         if self.store is None:
