@@ -295,7 +295,8 @@ class HostPoliteness:
         state = self._state(host)
         state.queued += 1
         try:
-            async with state.gate:
+            await state.gate.acquire()
+            try:
                 while True:
                     if guard is not None:
                         guard()
@@ -311,12 +312,18 @@ class HostPoliteness:
                     if guard is not None:
                         guard()  # right before the request
                     break
-                started = self.clock()
-                state.in_flight += 1
-                state.ready_at = max(state.ready_at, started + delay_s)
-                await self._save(host, state)  # a new owner sees this start
+            except BaseException:
+                state.gate.release()
+                raise
+            started = self.clock()
+            state.in_flight += 1
+            state.ready_at = max(state.ready_at, started + delay_s)
             failed = False
             try:
+                try:
+                    await self._save(host, state)  # a new owner sees this start
+                finally:
+                    state.gate.release()
                 yield
             except BaseException:
                 failed = True
