@@ -129,7 +129,11 @@ def _subject_matches(pattern: str, subject: str) -> bool:
 def _stream_specs() -> tuple[tuple[streams.StreamSpec, ...], tuple[streams.ConsumerSpec, ...]]:
     specs = (*streams.MESH_STREAMS, streams.intake_stream(_TENANT),
              streams.TENANT_RESULTS, streams.TENANT_EVENTS)
-    return specs, (*streams.MESH_CONSUMERS, *streams.tenant_stage_consumers(_TENANT),
+    # The 64 partition consumers of FRONTIER are documented as one, fetcher-p{partition}.
+    shared = tuple(c for c in streams.MESH_CONSUMERS if c not in streams.FETCHER_PARTITIONS)
+    partition = streams.ConsumerSpec(streams.FRONTIER.name, "fetcher-p{partition}",
+                                     Stage.FETCHER, filter_subject="mesh.frontier.{partition}.>")
+    return specs, (partition, *shared, *streams.tenant_stage_consumers(_TENANT),
                    streams.seeder_consumer(_TENANT),
                    streams.parked_consumer(_TENANT))
 

@@ -88,12 +88,39 @@ class Child:
     """Port of its /metrics, /healthz and /readyz endpoint (0: none)."""
 
 
+# ---- fetcher replicas (issue 5) -----------------------------------------------------------
+
+FETCHER_REPLICAS_ENV = "CRAWLMESH_FETCHER_REPLICAS"
+"""How many fetcher processes `crawlmesh up` runs (default 1; `up --fetchers N` sets it).
+They share the frontier partitions by leases (services/fetcher/leases.py)."""
+
+
+def replicas_from_env() -> dict[str, int]:
+    """``{"fetcher": N}`` from :data:`FETCHER_REPLICAS_ENV`, or ``{}``.
+
+    Raises:
+        MeshError: the value is not a positive integer.
+    """
+    raw = os.environ.get(FETCHER_REPLICAS_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise MeshError(f"{FETCHER_REPLICAS_ENV} must be a positive integer, not {raw!r}")
+    return {"fetcher": count}
+
+# ---- end of fetcher replicas -----------------------------------------------------------------
+
+
 @dataclass
 class EmbeddedMesh:
     """nats-server plus one process per service, supervised (see module docstring)."""
 
     settings: MeshSettings
-    replicas: dict[str, int] = field(default_factory=dict)
+    replicas: dict[str, int] = field(default_factory=replicas_from_env)
     server: EmbeddedServer | None = None
     children: list[Child] = field(default_factory=list)
     url: str = ""

@@ -188,11 +188,52 @@ def bodies_bucket(tenant: str) -> str:
 
 # ---- consumers ---------------------------------------------------------------------------
 
-FETCHER = ConsumerSpec(FRONTIER.name, "fetcher", Stage.FETCHER)
 SINK_DLQ = ConsumerSpec(DLQ.name, "sink-dlq", Stage.SINK)
 DLQ_ADVISOR = ConsumerSpec(ADVISORIES.name, "dlq-advisor", Stage.SINK, unlimited_deliveries=True)
 
-MESH_CONSUMERS: tuple[ConsumerSpec, ...] = (FETCHER, SINK_DLQ, DLQ_ADVISOR)
+
+# ---- partitioned frontier: one consumer per partition, leases, host budgets (issue 5) -----
+# FRONTIER is a work queue, so its consumers may not overlap: the single ``fetcher``
+# consumer of earlier versions is replaced by one consumer per partition, pulled only by
+# the fetcher holding that partition's lease (services/fetcher/leases.py). ensure_mesh
+# deletes the old ``fetcher`` consumer (its unacked messages stay in FRONTIER and are
+# delivered by the partition consumers).
+
+LEGACY_FETCHER_DURABLE = "fetcher"
+"""The former single fetcher consumer on FRONTIER (removed by :func:`ensure_mesh`)."""
+
+LEASES_BUCKET = "leases"
+"""Partition leases (``partition.<n>``) and fetcher heartbeats (``fetcher.<id>``)."""
+
+HOSTS_BUCKET = "hosts"
+"""Per-host politeness state shared by every fetcher (next-due time, pause, slow-down)."""
+
+HOSTS_MAX_AGE_S = 7 * 86400.0
+"""An idle host's record is forgotten after a week."""
+
+
+def fetcher_partition(partition: int) -> ConsumerSpec:
+    """The consumer of frontier partition ``partition`` (``fetcher-p<n>``)."""
+    if not 0 <= partition < subjects.PARTITIONS:
+        raise ValueError(f"partition {partition} outside 0..{subjects.PARTITIONS - 1}")
+    return ConsumerSpec(FRONTIER.name, f"fetcher-p{partition}", Stage.FETCHER,
+                        filter_subject=f"mesh.frontier.{partition}.>")
+
+
+FETCHER_PARTITIONS: tuple[ConsumerSpec, ...] = tuple(
+    fetcher_partition(p) for p in range(subjects.PARTITIONS))
+
+
+async def _drop_legacy_fetcher(js: JetStreamContext) -> None:
+    try:
+        await js.delete_consumer(FRONTIER.name, LEGACY_FETCHER_DURABLE)
+    except NotFoundError:
+        pass
+
+# ---- end of the partitioned frontier section ----------------------------------------------
+
+
+MESH_CONSUMERS: tuple[ConsumerSpec, ...] = (*FETCHER_PARTITIONS, SINK_DLQ, DLQ_ADVISOR)
 """Consumers shared by all tenants. Dedup, parser and sink consume each tenant through its
 own consumer (:func:`tenant_stage_consumers`), so tenants take turns instead of queueing
 behind one another in one FIFO."""
@@ -323,6 +364,7 @@ async def ensure_mesh(js: JetStreamContext, settings: MeshSettings) -> None:
     """Create or update every MESH stream, consumer and KV bucket. Idempotent."""
     for spec in MESH_STREAMS:
         await ensure_stream(js, spec, settings)
+    await _drop_legacy_fetcher(js)
     for consumer in MESH_CONSUMERS:
         await ensure_consumer(js, consumer, settings)
     for stream, durable in LEGACY_CONSUMERS:
@@ -333,6 +375,8 @@ async def ensure_mesh(js: JetStreamContext, settings: MeshSettings) -> None:
     for bucket, history in ((TENANTS_BUCKET, 1), (JOBS_BUCKET, 5), (PAGES_BUCKET, 1)):
         await ensure_kv(js, bucket, settings, history=history)
     await ensure_kv(js, ROBOTS_BUCKET, settings, ttl_s=ROBOTS_MAX_AGE_S)
+    await ensure_kv(js, LEASES_BUCKET, settings)
+    await ensure_kv(js, HOSTS_BUCKET, settings, ttl_s=HOSTS_MAX_AGE_S)
 
 
 async def ensure_kv(

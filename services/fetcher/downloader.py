@@ -2,21 +2,32 @@
 
 Redirects are *not* followed here: the caller sees each 3xx and decides (so every hop is
 checked against robots.txt and politeness; the egress policy applies at connect time).
+:func:`location_of` and :func:`resolve_location` turn a ``Location`` into the next URL as
+browsers do.
+
+A body shorter than its ``Content-Length``, a chunked body cut before its last chunk, or a
+compressed stream cut before its end marker is a :class:`FetchError` of kind
+:attr:`~services.fetcher.retry.FailureKind.TRUNCATED`, never a page.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urljoin
 
 import httpcore
 import httpx
+from w3lib.url import safe_url_string
 
 from services.fetcher.decoding import ACCEPT_ENCODING, BoundedDecoder, ContentDecodingError
 from services.fetcher.egress import EgressPolicy, GuardedNetworkBackend
+from services.fetcher.retry import FailureKind
 from services.fetcher.settings import FetcherSettings
+from shared.urls import UrlError
 
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 """Statuses whose ``Location`` the fetcher follows (by hand, one hop at a time)."""
@@ -26,7 +37,51 @@ BodyWanted = Callable[[int, str | None], bool]
 
 
 class FetchError(Exception):
-    """No usable response: connect or read failure, timeout, protocol or decoding error."""
+    """No usable response: connect or read failure, timeout, protocol or decoding error,
+    truncated body; ``kind`` says which (the retry policy decides on it)."""
+
+    def __init__(self, message: str, kind: FailureKind) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+_TAB_OR_NEWLINE = re.compile(r"[\t\n\r]")
+_C0_OR_SPACE = "".join(chr(c) for c in range(0x21))
+
+
+def location_of(headers: httpx.Headers) -> str | None:
+    """The ``Location`` header as text: its bytes read as UTF-8 (as browsers do), else as
+    ISO-8859-1; None when absent or blank."""
+    for name, value in headers.raw:
+        if name.lower() == b"location":
+            try:
+                text = value.decode("utf-8")
+            except UnicodeDecodeError:
+                text = value.decode("iso-8859-1")
+            return text if text.strip(_C0_OR_SPACE) else None
+    return None
+
+
+def resolve_location(base: str, location: str) -> str:
+    """The absolute URL a browser would go to for ``Location: location`` at ``base``.
+
+    WHATWG URL §4.4 (basic URL parser): leading and trailing C0 controls and spaces are
+    stripped, tabs and newlines removed, and for http(s) a backslash is a slash (before
+    any ``?`` or ``#``: ``\\\\host\\p`` is ``//host/p``). The result is resolved against
+    ``base`` (relative, scheme-relative, ``http:path``) and percent-encoded like a
+    browser's address bar (spaces and non-ASCII in UTF-8, host in IDNA) by w3lib's
+    ``safe_url_string``.
+
+    Raises:
+        UrlError: a ``Location`` no URL can be made of (e.g. ``http://[bad``).
+    """
+    location = _TAB_OR_NEWLINE.sub("", location.strip(_C0_OR_SPACE))
+    cut = min((i for i in (location.find("?"), location.find("#")) if i >= 0), default=len(location))
+    location = location[:cut].replace("\\", "/") + location[cut:]
+    try:
+        return safe_url_string(urljoin(base, location))
+    except (ValueError, UnicodeError) as error:
+        raise UrlError(f"invalid Location {location!r}: {error}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +122,19 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
         )
 
 
+class _Client(httpx.AsyncClient):
+    """An ``httpx.AsyncClient`` that never builds a redirect request.
+
+    httpx builds the next request of every 3xx even with ``follow_redirects=False``, and
+    raises on a ``Location`` it cannot parse (``mailto:x``, ``http://[bad``), losing the
+    answer. Redirects are resolved by :func:`resolve_location` instead, so the (private)
+    builder is replaced; ``response.next_request`` is then meaningless and unused.
+    """
+
+    def _build_redirect_request(self, request: httpx.Request, response: httpx.Response) -> httpx.Request:
+        return request
+
+
 def build_client(
     settings: FetcherSettings, policy: EgressPolicy,
     inner_backend: httpcore.AsyncNetworkBackend | None = None,
@@ -80,10 +148,36 @@ def build_client(
                           max_keepalive_connections=settings.max_connections // 2)
     timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
     transport = GuardedTransport(GuardedNetworkBackend(policy, inner_backend), limits)
-    return httpx.AsyncClient(
+    return _Client(
         transport=transport, timeout=timeout, follow_redirects=False, trust_env=False,
         headers={"User-Agent": settings.user_agent, "Accept-Encoding": ACCEPT_ENCODING},
     )
+
+
+def _kind_of(error: Exception) -> FailureKind:
+    """The :class:`FailureKind` of an httpx exception."""
+    if isinstance(error, httpx.TimeoutException):
+        return FailureKind.TIMEOUT
+    if isinstance(error, httpx.ConnectError):
+        return FailureKind.CONNECT
+    if isinstance(error, httpx.InvalidURL | httpx.UnsupportedProtocol):
+        return FailureKind.INVALID_URL
+    if isinstance(error, httpx.RemoteProtocolError) and (
+            "incomplete" in str(error) or "without sending complete" in str(error)):
+        return FailureKind.TRUNCATED
+    return FailureKind.PROTOCOL
+
+
+def _check_length(response: httpx.Response, received: int, url: str) -> None:
+    """Raises FetchError (TRUNCATED) if fewer bytes came than ``Content-Length`` announced
+    (h11 already refuses a short body when the peer closes; this also covers a proxy-less
+    HTTP/1.0 server that just closes)."""
+    declared = response.headers.get("content-length")
+    if declared is None or not declared.strip().isdigit():
+        return
+    if received < int(declared):
+        raise FetchError(f"truncated body fetching {url}: {received} of {declared} bytes",
+                         FailureKind.TRUNCATED)
 
 
 def media_type_of(content_type: str | None) -> str | None:
@@ -120,17 +214,25 @@ class Downloader:
                     body, truncated = b"", False
                     if wanted(response.status_code, media_type):
                         decoder = BoundedDecoder(response.headers.get("content-encoding"), max_bytes)
+                        received = 0
                         async for chunk in response.aiter_raw():
+                            received += len(chunk)
                             decoder.feed(chunk)
                             if decoder.truncated:
                                 break
+                        if not decoder.truncated:
+                            _check_length(response, received, url)
                         body, truncated = decoder.finish(), decoder.truncated
         except TimeoutError:
-            raise FetchError(f"timed out after {self.total_timeout_s}s fetching {url}") from None
-        except httpx.TimeoutException as error:
-            raise FetchError(f"{type(error).__name__} fetching {url}: {error}") from None
-        except (httpx.HTTPError, httpx.InvalidURL, ContentDecodingError) as error:
-            raise FetchError(f"{type(error).__name__} fetching {url}: {error}") from None
+            raise FetchError(f"timed out after {self.total_timeout_s}s fetching {url}",
+                             FailureKind.TIMEOUT) from None
+        except ContentDecodingError as error:
+            kind = FailureKind.TRUNCATED if "truncated" in str(error) else FailureKind.DECODING
+            raise FetchError(f"{type(error).__name__} fetching {url}: {error}", kind) from None
+        except (httpx.HTTPError, httpx.InvalidURL) as error:
+            kind = _kind_of(error)
+            what = "truncated body" if kind is FailureKind.TRUNCATED else type(error).__name__
+            raise FetchError(f"{what} fetching {url}: {error}", kind) from None
         return HttpResponse(
             url=url, status=response.status_code, headers=response.headers,
             content_type=content_type, media_type=media_type, body=body, truncated=truncated,

@@ -71,6 +71,15 @@ class EgressPolicy:
             return False
         return _not_public(address)
 
+    def refused_literal(self, host: str | None) -> IPAddress | None:
+        """The address of ``host`` if it is an IP literal the policy refuses, else None
+        (a name is only checked at connect time, on what it resolves to)."""
+        try:
+            address = ip_address((host or "").strip("[]"))
+        except ValueError:
+            return None
+        return address if self.refuses(address) else None
+
 
 def _not_public(address: IPAddress) -> bool:
     if isinstance(address, IPv6Address):

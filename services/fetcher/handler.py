@@ -31,9 +31,10 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Literal
-from urllib.parse import urljoin
+from urllib.parse import urlsplit
 
 import httpcore
+from w3lib.html import get_meta_refresh
 
 from services.fetcher.bodies import BodyStore, pack_body
 from services.fetcher.downloader import (
@@ -42,16 +43,28 @@ from services.fetcher.downloader import (
     FetchError,
     HttpResponse,
     build_client,
+    location_of,
+    resolve_location,
 )
 from services.fetcher.egress import EgressPolicy, EgressRefusedError
-from services.fetcher.politeness import HostPoliteness
-from services.fetcher.retry import retry_after_s
+from services.fetcher.hoststate import HostStore
+from services.fetcher.politeness import CHECK_S, HostPoliteness, LeaseLost
+from services.fetcher.retry import RetryPolicy, retry_after_s
 from services.fetcher.robots import RobotsCache, RobotsRules, RobotsStore
 from services.fetcher.settings import FetcherSettings
+from services.parser.html import decode_html
 from shared import subjects
 from shared.bus.loop import Delivery, Outbound
 from shared.bus.outcomes import TransientError
-from shared.contracts import FetchedPage, FrontierEntry, utc_now
+from shared.contracts import (
+    DiscoveredLinks,
+    FetchedPage,
+    FrontierEntry,
+    Link,
+    LinkOrigin,
+    ParsedPage,
+    utc_now,
+)
 from shared.subjects import Stage
 from shared.telemetry import metrics
 from shared.telemetry.metrics import status_class
@@ -62,6 +75,13 @@ ROBOTS_DISALLOWS = "robots.txt disallows"
 
 EGRESS_REFUSES = "egress policy refuses"
 """Prefix of the error of a URL whose address the egress policy refuses."""
+
+META_REFRESH_MAX_DELAY_S = 100.0
+"""A ``<meta http-equiv=refresh>`` with a longer delay is not followed (Scrapy's
+``METAREFRESH_MAXDELAY``): the page is the content."""
+
+META_REFRESH_SCAN_BYTES = 64 * 1024
+"""Bytes at the start of an HTML body searched for a meta refresh (it belongs in <head>)."""
 
 FRONTIER_ID_STAGE = "frontier"
 """Stage token of the ids of re-published frontier entries (``frontier:t:j:fp:gen``)."""
@@ -98,16 +118,24 @@ class FetcherHandler:
         self.bodies = bodies
         self.body_inline_max_bytes = body_inline_max_bytes
         self.http_retries = http_retries
+        self.egress = EgressPolicy(settings.egress_allow)
+        self.retry = RetryPolicy(frozenset(settings.retry_http_codes), retries=http_retries)
+        """Which outcomes are retried (:mod:`~services.fetcher.retry`)."""
         self.before_fetch: Callable[[FrontierEntry], Awaitable[BeforeFetch]] | None = None
         """Asked once an entry's turn has come, just before its request: an entry may wait
         for its host's turn for up to ``queue_horizon_s`` seconds, and its job may be
         cancelled or its tenant suspended meanwhile (``"drop"``: nothing is fetched;
         ``"hold"``: re-published under the next generation; None: fetch)."""
+        self.lease_check: Callable[[str], bool] | None = None
+        """True while this fetcher owns the frontier partition of a host (set by the service:
+        :mod:`services.fetcher.leases`); checked before robots.txt, while waiting and right
+        before each request. An entry whose partition was lost is re-published, not fetched."""
 
     @classmethod
     def build(cls, settings: FetcherSettings, *, robots_store: RobotsStore, bodies: BodyStore,
               body_inline_max_bytes: int, http_retries: int | None = None,
-              network_backend: httpcore.AsyncNetworkBackend | None = None) -> FetcherHandler:
+              network_backend: httpcore.AsyncNetworkBackend | None = None,
+              host_store: HostStore | None = None) -> FetcherHandler:
         """Assemble a handler and its HTTP client from settings (``network_backend``: see
         :func:`~services.fetcher.downloader.build_client`)."""
         client = build_client(settings, EgressPolicy(settings.egress_allow), network_backend)
@@ -115,8 +143,7 @@ class FetcherHandler:
         return cls(
             settings, downloader=downloader,
             robots=RobotsCache(downloader, robots_store, settings),
-            politeness=HostPoliteness(settings.default_delay_s, settings.host_delays,
-                                      settings.crawl_delay_max_s),
+            politeness=HostPoliteness.from_settings(settings, host_store),
             bodies=bodies, body_inline_max_bytes=body_inline_max_bytes,
             http_retries=settings.http_retries if http_retries is None else http_retries,
         )
@@ -135,23 +162,50 @@ class FetcherHandler:
                 ``Retry-After`` header, RFC 9110 §10.2.3, capped); a body store failure.
         """
         url = message.url
+        guard = self._guard(message)
         try:
-            rules = await self._permit(url)
-        except _Refused as refused:
-            return [await self._page_out(message, url, error=str(refused))]
-        delay = self.politeness.delay_for(message.host, rules.crawl_delay_s(self.settings.user_agent))
-        waiting = time.perf_counter()
-        later = await self._wait_or_defer(message, delay)
-        if later is not None:
-            metrics.POLITENESS_DEFERRED.inc()
-            return [later]
-        if self.before_fetch is not None:
-            verdict = await self.before_fetch(message)
-            if verdict == "drop":
-                return []
-            if verdict == "hold":
-                return [self._reschedule(message, utc_now())]
-        return [await self._fetch(message, delivery, delay, time.perf_counter() - waiting)]
+            guard()  # not our partition (any more): not even its robots.txt
+            try:
+                rules = await self._permit(url)
+            except _Refused as refused:
+                return [await self._page_out(message, url, error=str(refused))]
+            rule = self.politeness.rule_for(message.host,
+                                            rules.crawl_delay_s(self.settings.user_agent))
+            waiting = time.perf_counter()
+            later = await self._wait_or_defer(message, rule.delay_s, guard,
+                                              horizon=0.0 if rule.defer else None)
+            if later is not None:
+                metrics.POLITENESS_DEFERRED.inc()
+                return [later]
+            if self.before_fetch is not None:
+                verdict = await self.before_fetch(message)
+                if verdict == "drop":
+                    return []
+                if verdict == "hold":
+                    return [self._reschedule(message, utc_now())]
+            return await self._fetch(message, delivery, rule.delay_s,
+                                     time.perf_counter() - waiting)
+        except LeaseLost:  # re-published for the partition's new owner (never nak'd)
+            return [self._reschedule(message, message.not_before or utc_now())]
+
+    def _guard(self, entry: FrontierEntry) -> Callable[[], None]:
+        """Raises :class:`LeaseLost` once this fetcher no longer owns ``entry``'s host."""
+        check = self.lease_check
+
+        def guard() -> None:
+            if check is not None and not check(entry.host):
+                raise LeaseLost(entry.host)
+
+        return guard
+
+    @staticmethod
+    async def _sleep(seconds: float, guard: Callable[[], None]) -> None:
+        """Sleep ``seconds``, checking ``guard`` every :data:`CHECK_S`."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            guard()
+            await asyncio.sleep(min(left, CHECK_S))
+        guard()
 
     async def _permit(self, url: str) -> RobotsRules:
         """robots.txt rules of ``url`` if they allow it; raises :class:`_Refused` if not."""
@@ -165,7 +219,9 @@ class FetcherHandler:
             raise _Refused(f"{ROBOTS_DISALLOWS} {url}{why}")
         return rules
 
-    async def _wait_or_defer(self, entry: FrontierEntry, delay_s: float) -> Outbound | None:
+    async def _wait_or_defer(self, entry: FrontierEntry, delay_s: float,
+                             guard: Callable[[], None] = lambda: None,
+                             horizon: float | None = None) -> Outbound | None:
         """Sleep until ``entry`` is due if that is within the horizon (None), else return
         the entry re-published for its estimated due time.
 
@@ -175,7 +231,7 @@ class FetcherHandler:
         horizon it is held up to ``reschedule_hold_s`` before being re-published again, so
         a far-future entry does not circulate through the stream in a hot loop.
         """
-        horizon = self.settings.queue_horizon_s
+        horizon = self.settings.queue_horizon_s if horizon is None else horizon
         held = False
         while True:
             now = utc_now()
@@ -187,11 +243,11 @@ class FetcherHandler:
                 due_s = max(queue_s, self.politeness.booked_wait_s(entry.host))
             if due_s <= horizon:
                 if scheduled_s > 0:
-                    await asyncio.sleep(scheduled_s)
+                    await self._sleep(scheduled_s, guard)
                 return None
             if scheduled_s > 0 and not held and self.settings.reschedule_hold_s > 0:
                 held = True  # came straight back: hold it a little rather than spin
-                await asyncio.sleep(min(self.settings.reschedule_hold_s, due_s - horizon))
+                await self._sleep(min(self.settings.reschedule_hold_s, due_s - horizon), guard)
                 continue
             if scheduled_s > 0 and scheduled_s >= queue_s:
                 assert entry.not_before is not None
@@ -213,53 +269,110 @@ class FetcherHandler:
         )
 
     async def _fetch(self, entry: FrontierEntry, delivery: Delivery, delay_s: float,
-                     waited_s: float = 0.0) -> Outbound:
-        """Request ``entry`` and its redirect hops; the page to publish. ``waited_s``: how
-        long the entry already waited for its slot, seconds."""
+                     waited_s: float = 0.0) -> list[Outbound]:
+        """Request ``entry`` and its same-host redirect hops; what to publish. ``waited_s``:
+        how long the entry already waited for its slot, seconds.
+
+        A redirect (3xx with a ``Location``) or an HTML page's ``<meta http-equiv=refresh>``
+        (delay up to :data:`META_REFRESH_MAX_DELAY_S`) is resolved as a browser would
+        (:func:`~services.fetcher.downloader.resolve_location`). To the same host it is the
+        next hop, requested here after robots.txt, politeness and (at connect time) the
+        egress policy; at most ``max_redirects`` hops, and a URL seen before in the chain
+        is a loop (an error result). A target whose host is an IP literal the egress policy
+        refuses is refused at once. To another host it is not requested: see
+        :meth:`_redirected` (a host name is checked by the egress policy at connect time
+        when its own entry is fetched).
+        """
         url, host = entry.url, entry.host
+        seen = {url}
         elapsed_s = 0.0
         for hop in range(self.settings.max_redirects + 1):
             if hop:
                 try:
-                    url = canonical_url(url)
                     rules = await self._permit(url)
-                except UrlError as error:
-                    return await self._page_out(entry, url, error=f"bad redirect: {error}")
                 except _Refused as refused:
-                    return await self._page_out(entry, url, error=str(refused))
-                host = host_of(url)
+                    return [await self._page_out(entry, url, error=str(refused))]
                 delay_s = self.politeness.delay_for(host, rules.crawl_delay_s(self.settings.user_agent))
             metrics.ROBOTS_DECISIONS.labels("allowed").inc()  # once per URL requested
             queued = time.perf_counter()
             try:
-                async with self.politeness.turn(host, delay_s):
+                async with self.politeness.turn(host, delay_s, self._guard(entry)):
                     metrics.POLITENESS_WAIT.observe(waited_s + time.perf_counter() - queued)
                     waited_s, started = 0.0, time.perf_counter()
                     response = await self.downloader.get(
                         url, max_bytes=self.settings.max_body_bytes, wanted=self._wants_body,
                     )
             except EgressRefusedError as refused:
-                return await self._page_out(entry, url, error=refused.describe(url))
+                return [await self._page_out(entry, url, error=refused.describe(url))]
             except FetchError as error:
                 metrics.FETCH_DURATION.labels("error").observe(
                     elapsed_s + time.perf_counter() - started)
-                if delivery.delivered <= self.http_retries:
+                if self.retry.failure_is_transient(error.kind) and self.retry.may_retry(delivery.delivered):
                     raise TransientError(str(error)) from None
-                return await self._page_out(entry, url, error=str(error), elapsed_s=elapsed_s)
+                return [await self._page_out(entry, url, error=str(error), elapsed_s=elapsed_s)]
             elapsed_s += response.elapsed_s
-            location = response.headers.get("location")
-            if response.status in REDIRECT_STATUSES and location:
-                url = urljoin(url, location)
-                continue
-            _observe(response, elapsed_s)
-            return await self._answer(entry, response, delivery, host, elapsed_s)
+            try:
+                target = _next_hop(response)
+                if target is not None:
+                    target = canonical_url(target)
+            except UrlError as error:
+                _observe(response, elapsed_s)
+                return [await self._page_out(entry, url, error=f"bad redirect: {error}",
+                                             elapsed_s=elapsed_s)]
+            if target is None:
+                _observe(response, elapsed_s)
+                return [await self._answer(entry, response, delivery, host, elapsed_s)]
+            if target in seen:
+                _observe(response, elapsed_s)
+                return [await self._page_out(entry, url, error=f"redirect loop: {url} -> {target}",
+                                             elapsed_s=elapsed_s)]
+            if (refused_ip := self.egress.refused_literal(urlsplit(target).hostname)) is not None:
+                _observe(response, elapsed_s)  # an SSRF attempt: not even handed to dedup
+                return [await self._page_out(entry, target, elapsed_s=elapsed_s,
+                                             error=f"{EGRESS_REFUSES} {refused_ip} for {target}")]
+            if host_of(target) != host:
+                _observe(response, elapsed_s)
+                return self._redirected(entry, response, target, elapsed_s)
+            seen.add(target)
+            url = target
         _observe(response, elapsed_s)
-        return await self._page_out(
+        return [await self._page_out(
             entry, url, error=f"more than {self.settings.max_redirects} redirects", elapsed_s=elapsed_s,
+        )]
+
+    def _redirected(self, entry: FrontierEntry, response: HttpResponse, target: str,
+                    elapsed_s: float) -> list[Outbound]:
+        """A redirect or meta refresh to another host goes back through dedup, so the target
+        host's robots.txt, politeness budget, the job's scope and page budget all apply.
+
+        Two messages, in place of what the parser would publish for this page (so the
+        page still gets exactly one result and one expansion report): a
+        :class:`DiscoveredLinks` of origin ``redirect`` holding the target (at the page's
+        own depth: it is the same document), and the page's result, a :class:`ParsedPage`
+        with the answer's status (3xx, or the refreshing page's), ``final_url`` the target
+        (not requested) and no error.
+        """
+        tenant, job, fp = entry.tenant, entry.job_id, entry.fingerprint
+        links = DiscoveredLinks(
+            tenant=tenant, job_id=job, origin=LinkOrigin.REDIRECT, depth=entry.depth,
+            source_url=entry.url, source_fingerprint=fp, links=(Link(url=target),),
         )
+        page = ParsedPage(
+            tenant=tenant, job_id=job, url=entry.url, final_url=target, fingerprint=fp,
+            depth=entry.depth, status=response.status, content_type=response.content_type,
+            fetched_at=utc_now(), links_found=1,
+        )
+        return [
+            Outbound(subjects.links(tenant, job), links,
+                     subjects.msg_id(Stage.FETCHER, tenant, job, f"redirect-{fp}", entry.generation)),
+            Outbound(subjects.parsed(tenant, job), page,
+                     subjects.msg_id(Stage.FETCHER, tenant, job, f"parsed-{fp}", entry.generation)),
+        ]
 
     def _wants_body(self, status: int, media_type: str | None) -> bool:
-        """Only successful HTML-ish answers are downloaded (no Content-Type counts as one)."""
+        """The content-type policy: only successful answers of a media type in
+        ``html_content_types`` (or without a ``Content-Type``) are downloaded, to be parsed;
+        any other answer is recorded (status, content type) without its body."""
         if not 200 <= status < 300:
             return False
         return media_type is None or media_type in self.settings.html_content_types
@@ -267,11 +380,12 @@ class FetcherHandler:
     async def _answer(self, entry: FrontierEntry, response: HttpResponse, delivery: Delivery,
                       host: str, elapsed_s: float) -> Outbound:
         """Retry a retryable status (while retries last), else report the response."""
-        if response.status in self.settings.retry_http_codes:
+        if self.retry.status_is_transient(response.status):
             wait_s = retry_after_s(response.headers, cap_s=self.settings.retry_after_max_s)
             if wait_s:
                 self.politeness.pause(host, wait_s)
-            if delivery.delivered <= self.http_retries:
+            self.politeness.penalise(host)
+            if self.retry.may_retry(delivery.delivered):
                 raise TransientError(f"HTTP {response.status} from {response.url}",
                                      retry_after_s=wait_s)
         if response.truncated:
@@ -313,3 +427,19 @@ def _observe(response: HttpResponse, elapsed_s: float) -> None:
     status = status_class(response.status)
     metrics.FETCH_DURATION.labels(status).observe(elapsed_s)
     metrics.FETCH_RESPONSE_BYTES.labels(status).observe(len(response.body))
+
+
+def _next_hop(response: HttpResponse) -> str | None:
+    """Where ``response`` sends the client, absolute (not yet canonical), or None: the
+    ``Location`` of a redirect status, else the URL of a ``<meta http-equiv=refresh>``
+    of a whole 2xx HTML body with a delay up to :data:`META_REFRESH_MAX_DELAY_S`."""
+    if response.status in REDIRECT_STATUSES:
+        location = location_of(response.headers)
+        return resolve_location(response.url, location) if location is not None else None
+    if not (200 <= response.status < 300 and response.body) or response.truncated:
+        return None
+    text = decode_html(response.body[:META_REFRESH_SCAN_BYTES], response.content_type)
+    delay_s, refresh = get_meta_refresh(text, response.url)
+    if refresh is None or delay_s is None or delay_s > META_REFRESH_MAX_DELAY_S:
+        return None
+    return resolve_location(response.url, refresh)

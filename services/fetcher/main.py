@@ -1,8 +1,15 @@
-"""Fetcher service entry: NATS-backed stores for robots.txt and bodies, and the handler."""
+"""Fetcher service entry: NATS-backed stores, the handler, and the partition loops.
+
+A fetcher serves only the frontier partitions whose lease it holds (one consumer
+``fetcher-p<n>`` per partition, pulled by its owner only): :mod:`services.fetcher.leases`
+explains the scheme; :class:`PartitionSupervisor` starts and stops the loops as leases
+come and go.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from nats.aio.client import Client
@@ -10,14 +17,16 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 
 from services.fetcher.handler import FRONTIER_ID_STAGE, BeforeFetch, FetcherHandler
+from services.fetcher.hoststate import KvHostStore
+from services.fetcher.leases import PartitionLeases, new_owner_id
 from services.fetcher.settings import FetcherSettings
 from shared import subjects
-from shared.bus.loop import Delivery, Outbound
+from shared.bus.loop import ConsumeLoop, Delivery, Outbound
 from shared.bus.service import LoopSpec
 from shared.contracts import FrontierEntry, JobState
 from shared.jobs import JobStore
 from shared.settings import MeshSettings
-from shared.streams import FETCHER, ROBOTS_BUCKET
+from shared.streams import ROBOTS_BUCKET, fetcher_partition
 from shared.tenantgate import HOLD_S, TenantGate
 
 log = logging.getLogger(__name__)
@@ -53,14 +62,14 @@ class ObjectStoreBodies:
         await store.put(name, data)
 
 
-async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
-    """The fetcher's loop over the ``fetcher`` consumer of ``FRONTIER``.
+def build_handler(js: JetStreamContext, settings: MeshSettings,
+                  fetcher: FetcherSettings | None = None) -> RunningJobsOnly:
+    """The fetcher's handler, guarded (jobs running, tenants not held), with its stores.
 
     ``http_retries`` is kept below ``max_deliver`` so the last delivery always reports a
     result instead of being dead-lettered.
     """
-    fetcher = FetcherSettings()
-    js = nc.jetstream()
+    fetcher = fetcher or FetcherSettings()
     http_retries = min(fetcher.http_retries, settings.max_deliver - 1)
     if http_retries < fetcher.http_retries:
         log.warning("http_retries lowered to %d to stay below max_deliver %d",
@@ -68,11 +77,117 @@ async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
     handler = FetcherHandler.build(
         fetcher, robots_store=KvRobotsStore(js), bodies=ObjectStoreBodies(js),
         body_inline_max_bytes=settings.body_inline_max_bytes, http_retries=http_retries,
+        host_store=KvHostStore(js),
     )
     concurrency = min(fetcher.concurrency, settings.max_ack_pending)
-    slots = min(concurrency + HOLD_SLOTS, settings.max_ack_pending)
-    guarded = RunningJobsOnly(handler, JobStore(js), TenantGate(js), work_slots=concurrency)
-    return [LoopSpec(FETCHER, FrontierEntry, guarded, concurrency=slots)]
+    return RunningJobsOnly(handler, JobStore(js), TenantGate(js), work_slots=concurrency)
+
+
+async def setup(nc: Client, settings: MeshSettings) -> list[LoopSpec]:
+    """No fixed loops: the fetcher's loops follow its partition leases (:data:`BESIDE`)."""
+    return []
+
+
+async def run_partitions(nc: Client, settings: MeshSettings, stop: asyncio.Event) -> None:
+    """Hold a share of the frontier partitions and pull each one held (see
+    :mod:`services.fetcher.leases`) until ``stop`` is set; then release them all."""
+    fetcher = FetcherSettings()
+    js = nc.jetstream()
+    guarded = build_handler(js, settings, fetcher)
+    leases = PartitionLeases(js, new_owner_id(), fetcher.lease_s)
+    guarded.handler.lease_check = lambda host: leases.holds(subjects.partition_of(host))
+    slots = min(fetcher.partition_slots + HOLD_SLOTS, settings.max_ack_pending)
+    supervisor = PartitionSupervisor(nc, settings, leases, guarded, stop, slots)
+    log.info("fetcher %s: lease %.1f s, %d slots per partition", leases.owner,
+             fetcher.lease_s, slots)
+    try:
+        await supervisor.run()
+    finally:
+        await guarded.handler.politeness.flush()
+        await guarded.handler.aclose()
+
+
+BESIDE = (run_partitions,)
+"""What ``crawlmesh service fetcher`` runs beside its (no) fixed loops."""
+
+
+class PartitionSupervisor:
+    """Runs one :class:`ConsumeLoop` per partition this fetcher holds (``fetcher-p<n>``),
+    following :meth:`PartitionLeases.tick`; on stop, drains them (their leases still
+    renewed meanwhile), then releases every partition."""
+
+    def __init__(self, nc: Client, settings: MeshSettings, leases: PartitionLeases,
+                 handler: RunningJobsOnly, stop: asyncio.Event, slots: int) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.leases = leases
+        self.handler = handler
+        self.stop = stop
+        self.slots = slots
+        self.loops: dict[int, tuple[asyncio.Event, asyncio.Task[None]]] = {}
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                await self.step()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), self.leases.tick_s)
+        finally:
+            await self.shutdown()
+
+    async def step(self) -> None:
+        try:
+            acquired, to_release = await self.leases.tick()
+        except Exception as error:  # leases expire locally: nothing more is fetched
+            log.warning("cannot renew partition leases: %r", error)
+            return
+        for partition in sorted(to_release):
+            self._stop_loop(partition)
+        for partition in sorted(acquired):
+            self.handler.handler.politeness.forget(
+                lambda host, p=partition: subjects.partition_of(host) == p)
+        for partition in sorted(self.leases.owned()):
+            running = self.loops.get(partition)
+            if running is None or running[1].done():
+                self._start_loop(partition)
+        if acquired or to_release:
+            log.info("fetcher %s: %d live fetchers, holding %d partitions (+%d -%d)",
+                     self.leases.owner, self.leases.live, len(self.leases.owned()),
+                     len(acquired), len(to_release))
+
+    def _start_loop(self, partition: int) -> None:
+        loop_stop = asyncio.Event()
+        loop = ConsumeLoop(self.nc, fetcher_partition(partition), FrontierEntry, self.handler,
+                           self.settings, loop_stop, concurrency=self.slots)
+        self.loops[partition] = (loop_stop, asyncio.create_task(loop.run()))
+
+    def _stop_loop(self, partition: int) -> None:
+        """Stop pulling ``partition``; once its loop drained, release its lease."""
+        loop_stop, task = self.loops.pop(partition, (None, None))
+        if loop_stop is not None:
+            loop_stop.set()
+
+        async def drained() -> None:
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.leases.release(partition)
+
+        release = asyncio.create_task(drained())
+        self._releases.add(release)
+        release.add_done_callback(self._releases.discard)
+
+    async def shutdown(self) -> None:
+        for held in self.leases.held.values():
+            held.releasing = True  # waiting entries are re-published at once
+        for partition in list(self.loops):
+            self._stop_loop(partition)
+        while self._releases:  # keep the leases renewed while the loops drain
+            with contextlib.suppress(Exception):
+                await self.leases.tick()
+            await asyncio.wait(set(self._releases), timeout=self.leases.tick_s)
+        await self.leases.leave()
 
 
 HOLD_SLOTS = 64

@@ -1,10 +1,18 @@
 """robots.txt: fetched once per origin, cached in process and in a shared store, obeyed.
 
-Rules follow RFC 9309 (the Robots Exclusion Protocol); matching (longest match wins, ``*``
-and ``$``) is Protego's:
+Rules follow RFC 9309 (the Robots Exclusion Protocol); matching is Protego's (longest
+match wins, Allow wins a tie, ``*`` and ``$``, groups of one product token merged, §2.2),
+with one wrapper (:meth:`RobotsRules.agent_for`): Protego applies a group whose name is a
+*prefix* of, or any word in, the User-Agent it is given (``User-agent: crawl`` would apply
+to ``crawlmesh/0.1 (+https://github.com/...)``, and so would ``User-agent: github``). Per
+§2.2.1 the group is the one whose name equals our product token (case-insensitively);
+without one, the ``*`` group. Our product token is the leading product name of the
+configured ``user_agent`` (``crawlmesh`` in ``crawlmesh/0.1 (+<contact URL>)``).
+
+* §2.1 a byte-order mark at the start of the file is ignored.
 
 * §2.3.1.1 a 2xx answer is parsed; only the first ``robots_max_bytes`` (500 KiB, §2.5)
-  are read.
+  are read, and a line cut by that limit is dropped (half a path would be another rule).
 * §2.3.1.2 redirects are followed up to ``robots_max_redirects`` (5) hops, even to other
   origins; beyond that the file counts as unavailable.
 * §2.3.1.3 a 4xx answer ("unavailable") allows everything. Exception: 429 Too Many
@@ -33,18 +41,34 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 from typing import Protocol
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urlsplit
 
 import orjson
 from protego import Protego
 
-from services.fetcher.downloader import REDIRECT_STATUSES, Downloader, FetchError
+from services.fetcher.downloader import (
+    REDIRECT_STATUSES,
+    Downloader,
+    FetchError,
+    location_of,
+    resolve_location,
+)
 from services.fetcher.egress import EgressRefusedError
 from services.fetcher.settings import FetcherSettings
+from shared.urls import UrlError
 
 log = logging.getLogger(__name__)
 
 _KEY_SAFE = re.compile(r"^[-_=.a-zA-Z0-9]+$")
+_PRODUCT_TOKEN = re.compile(r"[a-zA-Z_-]+")
+_GROUP_NAME = re.compile(r"^[ \t]*user-agent[ \t]*:[ \t]*([^#\s]*)", re.IGNORECASE | re.MULTILINE)
+
+
+def product_token(user_agent: str) -> str:
+    """The product token of a User-Agent (RFC 9309 §2.2.1: ``[a-zA-Z_-]+``), lower-cased:
+    ``crawlmesh`` out of ``crawlmesh/0.1 (+https://example.com/bot)``; "" if none."""
+    found = _PRODUCT_TOKEN.match(user_agent.strip())
+    return found.group(0).lower() if found else ""
 
 
 class RobotsStore(Protocol):
@@ -79,19 +103,30 @@ class RobotsRules:
     def _parser(self) -> Protego:
         return Protego.parse(self.text)
 
+    @cached_property
+    def _group_names(self) -> frozenset[str]:
+        return frozenset(name.lower() for name in _GROUP_NAME.findall(self.text))
+
+    def agent_for(self, user_agent: str) -> str:
+        """What to give Protego for ``user_agent``: its product token if a group has exactly
+        that name, else ``*`` (so only the ``*`` group, if any, applies; module docstring)."""
+        token = product_token(user_agent)
+        return token if token and token in self._group_names else "*"
+
     def allows(self, url: str, user_agent: str) -> bool:
-        """Whether ``user_agent`` may fetch ``url`` (robots.txt itself is always allowed)."""
+        """Whether ``user_agent`` (a User-Agent or its product token) may fetch ``url``
+        (robots.txt itself is always allowed)."""
         if self.verdict is RobotsVerdict.ALLOW_ALL:
             return True
         if self.verdict is RobotsVerdict.DISALLOW_ALL:
             return urlsplit(url).path == "/robots.txt"
-        return self._parser.can_fetch(url, user_agent)
+        return self._parser.can_fetch(url, self.agent_for(user_agent))
 
     def crawl_delay_s(self, user_agent: str) -> float | None:
         """The ``Crawl-delay`` of the group matching ``user_agent``, in seconds, if any."""
         if self.verdict is not RobotsVerdict.RULES:
             return None
-        return self._parser.crawl_delay(user_agent)
+        return self._parser.crawl_delay(self.agent_for(user_agent))
 
     def to_bytes(self) -> bytes:
         return orjson.dumps({"verdict": self.verdict, "expires_at": self.expires_at,
@@ -214,14 +249,21 @@ class RobotsCache:
                 return self._rules(RobotsVerdict.DISALLOW_ALL, 0,
                                    note=f"robots.txt unreachable: {error}")
             status = response.status
-            location = response.headers.get("location")
-            if status in REDIRECT_STATUSES and location:
-                url = urljoin(url, location)
+            location = location_of(response.headers)
+            if status in REDIRECT_STATUSES and location is not None:
+                try:
+                    url = resolve_location(url, location)
+                except UrlError:
+                    return self._rules(RobotsVerdict.ALLOW_ALL, status,
+                                       note=f"bad redirect to {location!r}")
                 if urlsplit(url).scheme not in ("http", "https"):
                     return self._rules(RobotsVerdict.ALLOW_ALL, status, note=f"redirect to {url}")
                 continue
             if 200 <= status < 300:
-                text = response.body.decode("utf-8-sig", errors="replace")
+                body = response.body
+                if response.truncated:  # a line cut by the parse limit is dropped
+                    body = body[:body.rfind(b"\n") + 1]
+                text = body.decode("utf-8-sig", errors="replace")
                 return self._rules(RobotsVerdict.RULES, status, text=text)
             if status == 429 or status >= 500:
                 return self._rules(RobotsVerdict.DISALLOW_ALL, status,

@@ -1,11 +1,20 @@
 """Reading an HTML page: its text, title, description, canonical link, outlinks and rules.
 
-The character encoding is found as browsers find it (WHATWG HTML §13.2.3, "Determining the
-character encoding"), by w3lib's ``html_to_unicode``: byte order mark, then the charset of
-the ``Content-Type`` header, then a ``<meta charset>`` or XML declaration in the document,
-then UTF-8. As in the HTML prescan (§13.2.3.2), a UTF-16 or UTF-32 charset declared *inside*
-the document, with no byte order mark, is read as UTF-8: a document that could be
-prescanned as ASCII is not UTF-16.
+The character encoding is found as browsers find it (WHATWG HTML §13.2.3.1 "Determining the
+character encoding", with the prescan of §13.2.3.2; WHATWG Encoding §6 "decode" for the BOM),
+by w3lib's ``html_to_unicode``, in this order of precedence:
+
+1. a byte order mark (UTF-8, UTF-16 LE/BE, UTF-32);
+2. the ``charset`` of the ``Content-Type`` header;
+3. a ``<meta charset>``, ``<meta http-equiv=Content-Type content="...; charset=...">`` or
+   XML declaration in the document (the prescan);
+4. detection (:func:`detect_encoding`): UTF-8 if the body is valid UTF-8, else
+   charset-normalizer's best guess over the first :data:`DETECT_BYTES` bytes;
+5. UTF-8 (undecodable bytes become U+FFFD).
+
+As in the HTML prescan (§13.2.3.2), a UTF-16 or UTF-32 charset declared *inside* the
+document, with no byte order mark, is read as UTF-8: a document that could be prescanned
+as ASCII is not UTF-16.
 
 The document is always parsed as HTML (also ``application/xhtml+xml`` and documents that
 start with an XML declaration, such as the PostgreSQL manual): a leading XML declaration is
@@ -19,6 +28,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from charset_normalizer import from_bytes
 from parsel import Selector
 from w3lib.encoding import html_to_unicode, http_content_type_encoding, read_bom, to_unicode
 
@@ -31,6 +41,9 @@ HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
 
 MAX_TEXT_CHARS = 4096
 """Longest title or description kept, in characters (longer ones are cut)."""
+
+DETECT_BYTES = 64 * 1024
+"""Bytes of an undeclared, non-UTF-8 body that charset-normalizer looks at."""
 
 _XML_DECLARATION = re.compile(r"\A\s*<\?xml\b[^>]*>")
 
@@ -71,11 +84,24 @@ def decode_html(body: bytes, content_type: str | None) -> str:
 
     Undecodable bytes become U+FFFD; this never raises for any ``body``.
     """
-    encoding, text = html_to_unicode(content_type, body)
+    encoding, text = html_to_unicode(content_type, body, auto_detect_fun=detect_encoding)
     if _is_wide(encoding) and read_bom(body)[0] is None \
             and not _is_wide(http_content_type_encoding(content_type or "")):
         text = to_unicode(body, "utf-8")
     return _XML_DECLARATION.sub("", text, count=1)
+
+
+def detect_encoding(body: bytes) -> str | None:
+    """Step 4 of the precedence (module docstring): ``utf-8`` for a valid UTF-8 body, else
+    charset-normalizer's best guess over its first :data:`DETECT_BYTES` bytes (None if it
+    has none)."""
+    try:
+        body.decode("utf-8")
+        return "utf-8"
+    except UnicodeDecodeError:
+        pass
+    best = from_bytes(body[:DETECT_BYTES]).best()
+    return best.encoding if best is not None else None
 
 
 def read_page(

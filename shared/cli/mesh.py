@@ -26,7 +26,14 @@ from shared.accounts.control import TenantControl
 from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.bus.service import Beside, LoopSpec, run_service
-from shared.launcher import SERVICES, EmbeddedMesh, MeshError, file_lock, running_mesh
+from shared.launcher import (
+    FETCHER_REPLICAS_ENV,
+    SERVICES,
+    EmbeddedMesh,
+    MeshError,
+    file_lock,
+    running_mesh,
+)
 from shared.natsserver import write_config
 from shared.settings import MeshSettings
 from shared.streams import ensure_mesh
@@ -109,10 +116,12 @@ def service(name: str = typer.Argument(..., help=f"One of: {', '.join(SERVICES)}
 
 
 def _beside(name: str) -> Sequence[Beside]:
-    """Tasks service ``name`` runs beside its loops (the sink: the JetStream gauges)."""
+    """Tasks service ``name`` runs beside its loops (the sink: the JetStream gauges; the
+    fetcher: its partition loops, which follow its leases)."""
+    from services.fetcher.main import BESIDE as fetcher
     from services.sink.main import BESIDE as sink
 
-    return {"sink": sink}.get(name, ())
+    return {"sink": sink, "fetcher": fetcher}.get(name, ())
 
 
 def start_embedded(settings: MeshSettings, auto: bool = False) -> EmbeddedMesh:
@@ -232,8 +241,14 @@ def _stop_mesh(home: Path, pid: int, timeout_s: float = 60) -> None:
 def up(
     auto: bool = typer.Option(False, "--auto", hidden=True,
                               help="Started by `crawl`: its last user stops it."),
+    fetchers: int = typer.Option(
+        0, "--fetchers", min=0,
+        help="Fetcher processes to run (they share the frontier partitions); "
+        "default: CRAWLMESH_FETCHER_REPLICAS or 1."),
 ) -> None:
     """Start the embedded mesh (nats-server + one process per service) until Ctrl-C."""
+    if fetchers:
+        os.environ[FETCHER_REPLICAS_ENV] = str(fetchers)
     settings = MeshSettings()
     with file_lock(_lock_path(settings.home, "mesh"), fcntl.LOCK_EX, blocking=False) as mine:
         if not mine or running_mesh(settings.home):

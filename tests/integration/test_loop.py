@@ -610,7 +610,7 @@ async def test_ensure_is_idempotent_and_follows_settings(
     assert links.max_msgs_per_subject == 100 and links.discard_new_per_subject
     assert links.duplicate_window == changed.duplicate_window_s
     assert (await js.stream_info(streams.DLQ.name)).config.max_msgs_per_subject == -1
-    for spec in (streams.FETCHER, *streams.tenant_stage_consumers(tenant)):
+    for spec in (streams.fetcher_partition(0), *streams.tenant_stage_consumers(tenant)):
         config = (await js.consumer_info(spec.stream, spec.durable)).config
         assert config.max_deliver == 5, spec.durable
         assert config.backoff == [0.5, 2.0, 4.0], spec.durable

@@ -469,7 +469,7 @@ def test_asyncapi_channels_and_operations_are_consistent() -> None:
         ("mesh.links.{tenant}.{job}", "DiscoveredLinks", "LINKS", "workqueue", ["dedup-{tenant}"],
          {"seeder", "parser"}),
         ("mesh.frontier.{partition}.{tenant}.{job}", "FrontierEntry", "FRONTIER", "workqueue",
-         ["fetcher"], {"dedup"}),
+         ["fetcher-p{partition}"], {"dedup"}),
         ("mesh.expanded.{tenant}.{job}", "PageExpanded", "EXPANDED", "workqueue",
          ["sink-expanded-{tenant}"], {"dedup"}),
         ("mesh.fetched.{tenant}.{job}", "FetchedPage", "FETCHED", "workqueue", ["parser-{tenant}"],

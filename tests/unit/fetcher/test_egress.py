@@ -92,7 +92,9 @@ async def test_host_names_are_checked_on_their_resolved_addresses(
     assert backend.connects == [] and site.requests == []
 
 
-async def test_every_redirect_hop_is_checked(site: Site, make_handler: MakeHandler) -> None:
+async def test_ssrf_through_a_redirect_is_refused(site: Site, make_handler: MakeHandler) -> None:
+    """A redirect to a refused address literal is refused at once: not requested, not even
+    handed to dedup."""
     backend = RecordingBackend()
     site.routes["/go"] = lambda req: respond(req, 302, Location="http://169.254.169.254/x")
     (out,) = await make_handler(network_backend=backend).handle(entry(site.url("/go")), delivery())
@@ -100,3 +102,21 @@ async def test_every_redirect_hop_is_checked(site: Site, make_handler: MakeHandl
     assert out.message.final_url == "http://169.254.169.254/x"
     assert set(backend.connects) == {"127.0.0.1"}
     assert site.requests == ["/robots.txt", "/go"]
+
+
+async def test_ssrf_through_a_redirect_to_a_name_is_refused_at_connect_time(
+    site: Site, make_handler: MakeHandler
+) -> None:
+    """A redirect to a host name goes back through dedup; when its entry is fetched the
+    name's resolved address is checked at connect time (loopback, refused by a fetcher
+    without an allowlist) and nothing is connected."""
+    backend = RecordingBackend()
+    port = site.base.rsplit(":", 1)[1]
+    target = f"http://localhost:{port}/internal"
+    site.routes["/go"] = lambda req: respond(req, 302, Location=target)
+    links, _page = await make_handler().handle(entry(site.url("/go")), delivery())
+    assert [link.url for link in links.message.links] == [target]
+    (out,) = await make_handler(egress_allow=[], network_backend=backend).handle(entry(target), delivery())
+    error = out.message.error
+    assert error is not None and error.startswith(EGRESS_REFUSES) and error.endswith(f"for {target}")
+    assert backend.connects == [] and "/internal" not in site.requests

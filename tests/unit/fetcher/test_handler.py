@@ -98,13 +98,13 @@ async def test_redirect_chain_is_bounded(site: Site, make_handler: MakeHandler) 
 
 
 async def test_redirect_hop_disallowed_by_robots_is_not_requested(
-    site: Site, other_site: Site, make_handler: MakeHandler
+    site: Site, make_handler: MakeHandler
 ) -> None:
-    site.routes["/go"] = lambda req: respond(req, 302, Location=other_site.url("/secret"))
-    other_site.pages = {"/robots.txt": (200, "text/plain", b"User-agent: *\nDisallow: /secret\n")}
+    site.routes["/go"] = lambda req: respond(req, 302, Location="/secret")
+    site.pages = {"/robots.txt": (200, "text/plain", b"User-agent: *\nDisallow: /secret\n")}
     page = await fetch(make_handler(), site.url("/go"))
-    assert page.error == f"robots.txt disallows {other_site.url('/secret')}"
-    assert other_site.requests == ["/robots.txt"]
+    assert page.error == f"robots.txt disallows {site.url('/secret')}"
+    assert site.requests == ["/robots.txt", "/go"]
 
 
 async def test_retryable_status_is_retried_then_reported(site: Site, make_handler: MakeHandler) -> None:

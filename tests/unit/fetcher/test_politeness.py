@@ -10,7 +10,7 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
 
 from services.fetcher.handler import FRONTIER_ID_STAGE
-from services.fetcher.politeness import HostPoliteness
+from services.fetcher.politeness import HostPoliteness, Rule
 from shared import subjects
 from shared.contracts import FetchedPage, FrontierEntry, utc_now
 from tests.sites import Site
@@ -25,7 +25,9 @@ def test_delay_for_default_globs_and_crawl_delay() -> None:
     assert polite.delay_for("www.example.com:8080") == 3.0  # first matching pattern wins
     assert polite.delay_for("www.example.com") == 2.0
     assert polite.delay_for("127.0.0.1:5000", crawl_delay_s=4.0) == 4.0
-    assert polite.delay_for("other.org", crawl_delay_s=60.0) == 10.0  # the ceiling
+    # above the ceiling: still honoured, but the host is deferred (never held, never hammered)
+    assert polite.rule_for("other.org", crawl_delay_s=60.0) == Rule(60.0, 1, defer=True)
+    assert polite.rule_for("other.org", crawl_delay_s=9.0) == Rule(9.0, 1, defer=False)
     assert polite.delay_for("www.example.com", crawl_delay_s=0.5) == 2.0  # never below ours
 
 

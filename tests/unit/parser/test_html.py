@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.parser.html import PageLimits, decode_html, is_html, read_page
+import pytest
+
+from services.parser.html import PageLimits, decode_html, detect_encoding, is_html, read_page
 from shared.contracts import Link
 
 POSTGRES_DOCS = b"""<?xml version="1.0" encoding="UTF-8" standalone="no"?>
@@ -148,3 +150,39 @@ def test_links_stop_before_the_message_budget() -> None:
     page = read_page(anchors.encode(), "text/html", "https://x.example/",
                      limits=PageLimits(budget_bytes=100_000))
     assert 90 <= len(page.links) < 100
+
+
+# --- charset precedence: BOM > Content-Type > <meta> > detection (charset-normalizer) ---
+
+RUSSIAN = ("<html><head><title>Привет, мир: новости и статьи</title></head><body><p>Это "
+           "страница на русском языке, написанная без объявления кодировки. Поисковый робот "
+           "должен определить её сам.</p></body></html>")
+JAPANESE = ("<html><head><title>日本語のページ</title></head><body><p>これは文字コードの宣言が"
+            "ないページです。クローラーは自動的に判別しなければなりません。</p></body></html>")
+
+
+def test_bom_wins_over_header_and_meta() -> None:
+    body = b"\xef\xbb\xbf<meta charset=windows-1252><title>caf\xc3\xa9</title>"
+    assert "café" in decode_html(body, "text/html; charset=iso-8859-1")
+
+
+def test_header_wins_over_meta() -> None:
+    body = "<meta charset=utf-8><title>café</title>".encode("cp1252")
+    assert "café" in decode_html(body, "text/html; charset=windows-1252")
+
+
+def test_meta_wins_over_detection() -> None:
+    body = '<meta http-equiv="Content-Type" content="text/html; charset=iso-8859-15"><p>\xa4</p>'
+    assert "€" in decode_html(body.encode("latin-1"), "text/html")
+
+
+def test_undeclared_utf8_is_utf8() -> None:
+    assert detect_encoding("<p>café</p>".encode()) == "utf-8"
+    assert "café" in decode_html("<p>café</p>".encode(), None)
+
+
+@pytest.mark.parametrize(("text", "encoding"), [(RUSSIAN, "cp1251"), (JAPANESE, "shift_jis")])
+def test_undeclared_legacy_encoding_is_detected(text: str, encoding: str) -> None:
+    body = text.encode(encoding)
+    assert detect_encoding(body) is not None
+    assert decode_html(body, "text/html") == text
