@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from shared import subjects
 from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.cli.jobs import export_results, submit, wait_for_job
@@ -163,8 +164,10 @@ def test_sink_publishes_jetstream_gauges(crawled: Crawled) -> None:
     assert total(sink, "crawlmesh_tenant_storage_limit_bytes", tenant=tenant) == limit
     consumers = {(s.labels["stream"], s.labels["consumer"]) for s in sink
                  if s.name == "crawlmesh_consumer_pending_messages"}
-    assert {("LINKS", f"dedup-{tenant}"), ("FRONTIER", "fetcher"),
-            ("FETCHED", f"parser-{tenant}"), ("PARSED", f"sink-{tenant}")} <= consumers
+    assert {("LINKS", f"dedup-{tenant}"), ("FETCHED", f"parser-{tenant}"),
+            ("PARSED", f"sink-{tenant}")} <= consumers
+    assert {c for s, c in consumers if s == "FRONTIER"} == {
+        f"fetcher-p{n}" for n in range(subjects.PARTITIONS)}
     assert total(sink, "crawlmesh_consumer_pending_messages") == 0  # the job is done
     assert total(sink, "crawlmesh_consumer_ack_pending_messages",
                  consumer=f"sink-{tenant}") == 0
