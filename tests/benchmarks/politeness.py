@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 UPSTREAMS = {"127.0.0.5": "127.0.0.2", "127.0.0.6": "127.0.0.3", "127.0.0.7": "127.0.0.4"}
 PORT = 8080
 DELAY_S, IN_FLIGHT = 0.02, 4
+IDLE_S = 60
 
 
 class LoggingProxy:
@@ -132,7 +133,14 @@ async def run_once(replicas: int, max_pages: int) -> bool:
             settings = MeshSettings(home=home, nats_url=env["CRAWLMESH_NATS_URL"])
             seeds = [f"http://{listen}:{PORT}/index.html" for listen in UPSTREAMS]
             started = time.monotonic()
-            finished = await crawl(settings, ["a", "b"], seeds, max_pages)
+            task = asyncio.create_task(crawl(settings, ["a", "b"], seeds, max_pages))
+            while not task.done():  # a job that never completes: stop once the hosts are idle
+                await asyncio.wait({task}, timeout=1.0)
+                last = max((h.end for p in proxies for h in p.hits), default=time.monotonic())
+                if not task.done() and time.monotonic() - last > IDLE_S:
+                    task.cancel()
+            finished = {f"(not completed: hosts idle for {IDLE_S} s)": 0} \
+                if task.cancelled() else task.result()
             took = time.monotonic() - started
         finally:
             for server in servers:
