@@ -196,15 +196,17 @@ class PartitionLeases:
         # renew what we hold
         for partition, held in list(self.held.items()):
             revision, owner, _ = rows[partition]
+            if self.held.get(partition) is not held:
+                continue  # released meanwhile (a drained loop's release() ran during an await)
             if owner != self.owner or revision != held.revision:
                 log.warning("lost partition %d to %r", partition, owner or "nobody")
-                del self.held[partition]
+                self.held.pop(partition, None)
                 to_release.add(partition)
                 continue
             sent = self.clock()  # a partition being released is renewed until it is drained
             new = await self._write(partition, revision, self.owner)
             if new is None:
-                del self.held[partition]
+                self.held.pop(partition, None)
                 to_release.add(partition)
                 continue
             held.revision, held.valid_until = new, sent + self.lease_s - self.guard_s
@@ -212,8 +214,9 @@ class PartitionLeases:
         share = math.ceil(self.partitions / max(self.live, 1))
         active = sorted(p for p, h in self.held.items() if not h.releasing)
         for partition in active[share:]:  # above our share: give the highest ones back
-            self.held[partition].releasing = True
-            to_release.add(partition)
+            if (held := self.held.get(partition)) is not None:
+                held.releasing = True
+                to_release.add(partition)
         acquired: set[int] = set()
         wanted = share - min(len(active), share)
         now = self.wall()
