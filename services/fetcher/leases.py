@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import orjson
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from shared.streams import LEASES_BUCKET
 from shared.subjects import PARTITIONS
@@ -163,11 +163,7 @@ class PartitionLeases:
 
         rows = await asyncio.gather(*(one(p) for p in range(self.partitions)))
         live = 1
-        try:  # (nats-py's key filters match substrings, not subjects: filter here)
-            keys = await kv.keys()
-        except NoKeysError:
-            keys = []
-        beats = [k for k in keys if k.startswith("fetcher.") and k != heartbeat_key(self.owner)]
+        beats = [k for k in await self._heartbeat_keys() if k != heartbeat_key(self.owner)]
 
         async def alive(key: str) -> bool:
             try:
@@ -178,6 +174,17 @@ class PartitionLeases:
 
         live += sum(await asyncio.gather(*(alive(k) for k in beats)))
         return dict(enumerate(rows)), live
+
+    async def _heartbeat_keys(self) -> list[str]:
+        """Keys ``fetcher.<id>`` present, from the bucket stream's subject list (one API
+        call). Not ``kv.keys()``: nats-py lists keys through a watcher that can come back
+        empty under load (and its filters match substrings), which would make a fetcher
+        believe it is alone and claim every partition. An error propagates (the tick fails
+        and nothing is claimed)."""
+        prefix = f"$KV.{LEASES_BUCKET}."
+        info = await self.js.stream_info(f"KV_{LEASES_BUCKET}",
+                                         subjects_filter=f"{prefix}fetcher.>")
+        return [subject.removeprefix(prefix) for subject in (info.state.subjects or {})]
 
     async def tick(self) -> tuple[set[int], set[int]]:
         """Renew, rebalance and claim (see module docstring).
