@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import orjson
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from shared.streams import LEASES_BUCKET
 from shared.subjects import PARTITIONS
@@ -163,11 +163,7 @@ class PartitionLeases:
 
         rows = await asyncio.gather(*(one(p) for p in range(self.partitions)))
         live = 1
-        try:  # (nats-py's key filters match substrings, not subjects: filter here)
-            keys = await kv.keys()
-        except NoKeysError:
-            keys = []
-        beats = [k for k in keys if k.startswith("fetcher.") and k != heartbeat_key(self.owner)]
+        beats = [k for k in await self._heartbeat_keys() if k != heartbeat_key(self.owner)]
 
         async def alive(key: str) -> bool:
             try:
@@ -178,6 +174,17 @@ class PartitionLeases:
 
         live += sum(await asyncio.gather(*(alive(k) for k in beats)))
         return dict(enumerate(rows)), live
+
+    async def _heartbeat_keys(self) -> list[str]:
+        """Keys ``fetcher.<id>`` present, from the bucket stream's subject list (one API
+        call). Not ``kv.keys()``: nats-py lists keys through a watcher that can come back
+        empty under load (and its filters match substrings), which would make a fetcher
+        believe it is alone and claim every partition. An error propagates (the tick fails
+        and nothing is claimed)."""
+        prefix = f"$KV.{LEASES_BUCKET}."
+        info = await self.js.stream_info(f"KV_{LEASES_BUCKET}",
+                                         subjects_filter=f"{prefix}fetcher.>")
+        return [subject.removeprefix(prefix) for subject in (info.state.subjects or {})]
 
     async def tick(self) -> tuple[set[int], set[int]]:
         """Renew, rebalance and claim (see module docstring).
@@ -196,15 +203,17 @@ class PartitionLeases:
         # renew what we hold
         for partition, held in list(self.held.items()):
             revision, owner, _ = rows[partition]
+            if self.held.get(partition) is not held:
+                continue  # released meanwhile (a drained loop's release() ran during an await)
             if owner != self.owner or revision != held.revision:
                 log.warning("lost partition %d to %r", partition, owner or "nobody")
-                del self.held[partition]
+                self.held.pop(partition, None)
                 to_release.add(partition)
                 continue
             sent = self.clock()  # a partition being released is renewed until it is drained
             new = await self._write(partition, revision, self.owner)
             if new is None:
-                del self.held[partition]
+                self.held.pop(partition, None)
                 to_release.add(partition)
                 continue
             held.revision, held.valid_until = new, sent + self.lease_s - self.guard_s
@@ -212,8 +221,9 @@ class PartitionLeases:
         share = math.ceil(self.partitions / max(self.live, 1))
         active = sorted(p for p, h in self.held.items() if not h.releasing)
         for partition in active[share:]:  # above our share: give the highest ones back
-            self.held[partition].releasing = True
-            to_release.add(partition)
+            if (held := self.held.get(partition)) is not None:
+                held.releasing = True
+                to_release.add(partition)
         acquired: set[int] = set()
         wanted = share - min(len(active), share)
         now = self.wall()

@@ -322,6 +322,12 @@ class HostPoliteness:
             try:
                 try:
                     await self._save(host, state)  # a new owner sees this start
+                    if guard is not None:
+                        guard()  # the write took time: check again
+                    # The request goes out now: space the next one from here (the write
+                    # may have taken longer than for the previous request).
+                    started = self.clock()
+                    state.ready_at = max(state.ready_at, started + delay_s)
                 finally:
                     state.gate.release()
                 yield

@@ -41,6 +41,9 @@ REPO = Path(__file__).resolve().parents[2]
 UPSTREAMS = {"127.0.0.5": "127.0.0.2", "127.0.0.6": "127.0.0.3", "127.0.0.7": "127.0.0.4"}
 PORT = 8080
 DELAY_S, IN_FLIGHT = 0.02, 4
+IDLE_S = 60
+TOLERANCE_S = 0.005
+"""The issue's 50 ms tolerance would make a 20 ms rule unfalsifiable: 5 ms here."""
 
 
 class LoggingProxy:
@@ -109,7 +112,7 @@ def start_mesh(home: Path, replicas: int) -> tuple[subprocess.Popen[bytes], dict
            "CRAWLMESH_NATS_URL": f"nats://127.0.0.1:{free_port()}",
            "CRAWLMESH_METRICS_BASE_PORT": "0",
            "CRAWLMESH_FETCHER_REPLICAS": str(replicas),
-           "CRAWLMESH_FETCHER_LEASE_S": "2",
+           "CRAWLMESH_FETCHER_LEASE_S": "5",
            "CRAWLMESH_FETCHER_HOST_RULES": orjson.dumps(rules).decode()}
     mesh = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up"], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -132,7 +135,14 @@ async def run_once(replicas: int, max_pages: int) -> bool:
             settings = MeshSettings(home=home, nats_url=env["CRAWLMESH_NATS_URL"])
             seeds = [f"http://{listen}:{PORT}/index.html" for listen in UPSTREAMS]
             started = time.monotonic()
-            finished = await crawl(settings, ["a", "b"], seeds, max_pages)
+            task = asyncio.create_task(crawl(settings, ["a", "b"], seeds, max_pages))
+            while not task.done():  # a job that never completes: stop once the hosts are idle
+                await asyncio.wait({task}, timeout=1.0)
+                last = max((h.end for p in proxies for h in p.hits), default=time.monotonic())
+                if not task.done() and time.monotonic() - last > IDLE_S:
+                    task.cancel()
+            finished = {f"(not completed: hosts idle for {IDLE_S} s)": 0} \
+                if task.cancelled() else task.result()
             took = time.monotonic() - started
         finally:
             for server in servers:
@@ -145,7 +155,7 @@ async def run_once(replicas: int, max_pages: int) -> bool:
     print(f"  {'host':<16} {'requests':>8} {'min gap (s)':>12} {'rule':>6} "
           f"{'max in flight':>14} {'rule':>5} violations")
     for proxy in proxies:
-        verdict = judge(proxy.hits, DELAY_S, IN_FLIGHT)
+        verdict = judge(proxy.hits, DELAY_S, IN_FLIGHT, tolerance_s=TOLERANCE_S)
         ok = ok and not verdict.violations
         print(f"  {proxy.listen + ':8080':<16} {verdict.requests:>8} {verdict.min_gap_s:>12.4f} "
               f"{DELAY_S:>6} {verdict.max_in_flight:>14} {IN_FLIGHT:>5} {len(verdict.violations)}")

@@ -4,10 +4,13 @@ entries whose turn is beyond the horizon (never holding them, never nak'ing them
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
+
+import pytest
 
 from services.fetcher.handler import FRONTIER_ID_STAGE
 from services.fetcher.politeness import HostPoliteness, Rule
@@ -140,3 +143,77 @@ async def test_turn_is_fifo_and_pause_delays_it() -> None:
     await asyncio.gather(*(take(n) for n in range(4)))
     assert order == [0, 1, 2, 3]
     assert time.monotonic() - started >= 0.2 + 3 * 0.05 - 0.02
+
+
+# ---- shared budgets (issue 5) ---------------------------------------------------------------
+
+
+async def test_starts_spaced_with_several_in_flight() -> None:
+    from services.fetcher.settings import HostRule
+
+    polite = HostPoliteness(0.0, {}, 10.0, host_rules={"h": HostRule(delay_s=0.05, max_in_flight=2)})
+    starts: list[float] = []
+    now = {"in": 0, "most": 0}
+
+    async def take() -> None:
+        async with polite.turn("h", polite.delay_for("h")):
+            starts.append(time.monotonic())
+            now["in"] += 1
+            now["most"] = max(now["most"], now["in"])
+            await asyncio.sleep(0.2)
+            now["in"] -= 1
+
+    await asyncio.gather(*(take() for _ in range(5)))
+    assert now["most"] == 2
+    assert min(b - a for a, b in itertools.pairwise(starts)) >= 0.045
+
+
+async def test_a_new_owner_honours_the_stored_next_due_time_and_pause() -> None:
+    from services.fetcher.hoststate import MemoryHostStore
+
+    store = MemoryHostStore()
+    old = HostPoliteness(0.0, {}, 10.0, store=store)
+    old.pause("h", 0.4)  # e.g. a Retry-After seen by the old owner
+    await old.flush()
+    new = HostPoliteness(0.0, {}, 10.0, store=store)
+    started = time.monotonic()
+    async with new.turn("h", 0.0):
+        assert time.monotonic() - started >= 0.35
+
+
+async def test_lease_lost_while_waiting_means_no_request() -> None:
+    from services.fetcher.politeness import LeaseLost
+
+    polite = HostPoliteness(0.0, {}, 10.0)
+    polite.pause("h", 0.5)
+    lost = {"now": False}
+
+    def guard() -> None:
+        if lost["now"]:
+            raise LeaseLost("h")
+
+    async def lose_soon() -> None:
+        await asyncio.sleep(0.1)
+        lost["now"] = True
+
+    requested = []
+    task = asyncio.create_task(lose_soon())
+    with pytest.raises(LeaseLost):
+        async with polite.turn("h", 0.0, guard):
+            requested.append(1)
+    await task
+    assert requested == []
+    async with polite.turn("h", 0.0):  # the in-flight count did not leak
+        pass
+
+
+def test_adaptive_slow_down_doubles_then_recovers() -> None:
+    from services.fetcher.politeness import Adaptive
+
+    polite = HostPoliteness(0.1, {}, 10.0, adaptive=Adaptive(slow_s=1.0, max_factor=8.0,
+                                                             recovery=0.5, floor_s=0.25))
+    polite.penalise("h")
+    assert polite.delay_for("h") == pytest.approx(0.5)  # max(0.1, floor 0.25) x 2
+    for _ in range(3):
+        polite.penalise("h")
+    assert polite.delay_for("h") == pytest.approx(0.25 * 8)  # capped at 8x
