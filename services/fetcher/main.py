@@ -171,6 +171,10 @@ class PartitionSupervisor:
         async def drained() -> None:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
+            # The hosts' last start/end times must be in KV before the next owner reads
+            # them: a release with writes still under way would let it start too soon.
+            with contextlib.suppress(Exception):
+                await self.handler.handler.politeness.flush()
             with contextlib.suppress(Exception):
                 await self.leases.release(partition)
 
