@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
-from nats.js.errors import NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from shared.bus.advisories import MaxDeliveriesAdvisory, MaxDeliveriesHandler
 from shared.bus.connection import connect
@@ -181,6 +181,17 @@ class TenantSupervisor:
             return set()
         return {key.split(".", 1)[1] for key in keys if key.startswith("tenant.")}
 
+    async def _still_registered(self, tenant: str) -> bool:
+        """True unless ``tenant.<id>`` is confirmed absent (deleted or purged)."""
+        kv = await self.js.key_value(TENANTS_BUCKET)
+        try:
+            entry = await kv.get(f"tenant.{tenant}")
+        except KeyNotFoundError:
+            return False
+        except Exception:  # cannot tell: keep its loops
+            return True
+        return entry is not None and bool(entry.value)
+
     async def run(self) -> None:
         try:
             while not self.stop.is_set():
@@ -198,7 +209,16 @@ class TenantSupervisor:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     async def refresh(self, tenants: set[str]) -> None:
-        """Start loops of new tenants (consumer present), stop loops of removed ones."""
+        """Start loops of new tenants (consumer present), stop loops of removed ones.
+
+        A tenant missing from the listing is only taken as removed once its record is
+        confirmed gone: nats-py's ``kv.keys()`` can come back short under load, and
+        stopping a live tenant's loops would stall its crawl.
+        """
+        running_tenants = {key[0] for key in self.running}
+        for tenant in running_tenants - tenants:
+            if await self._still_registered(tenant):
+                tenants = tenants | {tenant}
         for key, (loop_stop, task) in list(self.running.items()):
             if key[0] not in tenants or task.done():
                 loop_stop.set()
