@@ -194,11 +194,14 @@ class Downloader:
         self.client = client
         self.total_timeout_s = total_timeout_s
 
-    async def get(self, url: str, *, max_bytes: int, wanted: BodyWanted) -> HttpResponse:
+    async def get(self, url: str, *, max_bytes: int, wanted: BodyWanted,
+                  on_sent: Callable[[], None] | None = None) -> HttpResponse:
         """GET ``url`` without following redirects; read the body if ``wanted`` says so.
 
         The body is read as raw bytes and decoded by :class:`BoundedDecoder`, which stops
-        at ``max_bytes`` decoded bytes and closes the connection.
+        at ``max_bytes`` decoded bytes and closes the connection. ``on_sent`` is called when
+        the request's headers start going out (httpcore's ``send_request_headers.started``
+        trace event), after any connection set-up: politeness spaces requests from there.
 
         Raises:
             FetchError: connection, timeout (connect, read or the total deadline of
@@ -208,7 +211,7 @@ class Downloader:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.total_timeout_s):
-                async with self.client.stream("GET", url) as response:
+                async with self.client.stream("GET", url, extensions=_trace(on_sent)) as response:
                     content_type = response.headers.get("content-type")
                     media_type = media_type_of(content_type)
                     body, truncated = b"", False
@@ -238,3 +241,15 @@ class Downloader:
             content_type=content_type, media_type=media_type, body=body, truncated=truncated,
             elapsed_s=time.perf_counter() - started,
         )
+
+
+def _trace(on_sent: Callable[[], None] | None) -> dict[str, object]:
+    """httpx request extensions calling ``on_sent`` when the request headers go out."""
+    if on_sent is None:
+        return {}
+
+    async def trace(event: str, info: dict[str, object]) -> None:
+        if event.endswith("send_request_headers.started"):
+            on_sent()
+
+    return {"trace": trace}

@@ -296,11 +296,12 @@ class FetcherHandler:
             metrics.ROBOTS_DECISIONS.labels("allowed").inc()  # once per URL requested
             queued = time.perf_counter()
             try:
-                async with self.politeness.turn(host, delay_s, self._guard(entry)):
+                async with self.politeness.turn(host, delay_s, self._guard(entry)) as turn:
                     metrics.POLITENESS_WAIT.observe(waited_s + time.perf_counter() - queued)
                     waited_s, started = 0.0, time.perf_counter()
                     response = await self.downloader.get(
                         url, max_bytes=self.settings.max_body_bytes, wanted=self._wants_body,
+                        on_sent=turn.sent,
                     )
             except EgressRefusedError as refused:
                 return [await self._page_out(entry, url, error=refused.describe(url))]

@@ -55,6 +55,19 @@ CHECK_S = 0.2
 """Longest sleep between two lease checks while a request waits for its turn."""
 
 
+class Turn:
+    """A host's turn, given to the request made in it: call :meth:`sent` when the request's
+    headers go out (the downloader does, from httpx's trace hook). Until then the host's
+    next turn is not given, and the next request is spaced ``delay_s`` from that moment."""
+
+    def __init__(self) -> None:
+        self.sent_at: float | None = None
+        self.mark_sent: Callable[[], None] = lambda: None
+
+    def sent(self) -> None:
+        self.mark_sent()
+
+
 class LeaseLost(Exception):
     """This fetcher no longer owns the partition of the host it was about to request."""
 
@@ -282,7 +295,7 @@ class HostPoliteness:
 
     @asynccontextmanager
     async def turn(self, host: str, delay_s: float, guard: Guard | None = None,
-                   max_in_flight: int | None = None) -> AsyncIterator[None]:
+                   max_in_flight: int | None = None) -> AsyncIterator[Turn]:
         """Wait for ``host``'s turn; the body is the request.
 
         The request starts at least ``delay_s`` after the previous start (and, with one in
@@ -319,18 +332,33 @@ class HostPoliteness:
             state.in_flight += 1
             state.ready_at = max(state.ready_at, started + delay_s)
             failed = False
+            turn = Turn()
             try:
                 try:
                     await self._save(host, state)  # a new owner sees this start
                     if guard is not None:
                         guard()  # the write took time: check again
-                    # The request goes out now: space the next one from here (the write
-                    # may have taken longer than for the previous request).
-                    started = self.clock()
-                    state.ready_at = max(state.ready_at, started + delay_s)
-                finally:
+                except BaseException:
                     state.gate.release()
-                yield
+                    raise
+
+                def sent() -> None:
+                    # The request's headers are going out now: the next request of this
+                    # host is spaced from here, and may not even be admitted before (a
+                    # request that needed a new connection must not be overtaken by one
+                    # on a pooled connection, or the host would see them closer than the
+                    # delay).
+                    nonlocal started
+                    if turn.sent_at is None:
+                        started = turn.sent_at = self.clock()
+                        state.ready_at = max(state.ready_at, started + delay_s)
+                        state.gate.release()
+
+                turn.mark_sent = sent
+                try:
+                    yield turn
+                finally:
+                    sent()  # failed before sending, or the caller did not report it
             except BaseException:
                 failed = True
                 raise

@@ -156,7 +156,8 @@ async def test_starts_spaced_with_several_in_flight() -> None:
     now = {"in": 0, "most": 0}
 
     async def take() -> None:
-        async with polite.turn("h", polite.delay_for("h")):
+        async with polite.turn("h", polite.delay_for("h")) as turn:
+            turn.sent()  # what the downloader does when the request headers go out
             starts.append(time.monotonic())
             now["in"] += 1
             now["most"] = max(now["most"], now["in"])
@@ -166,6 +167,26 @@ async def test_starts_spaced_with_several_in_flight() -> None:
     await asyncio.gather(*(take() for _ in range(5)))
     assert now["most"] == 2
     assert min(b - a for a, b in itertools.pairwise(starts)) >= 0.045
+
+
+async def test_next_turn_waits_until_the_request_is_sent() -> None:
+    """A request slow to go out (a new connection) is not overtaken: the host's next turn
+    is given only once it is sent, and spaced from that moment."""
+    from services.fetcher.settings import HostRule
+
+    polite = HostPoliteness(0.0, {}, 10.0, host_rules={"h": HostRule(delay_s=0.05, max_in_flight=2)})
+    sent: list[float] = []
+
+    async def take(connect_s: float) -> None:
+        async with polite.turn("h", polite.delay_for("h")) as turn:
+            await asyncio.sleep(connect_s)  # connection set-up before the headers go out
+            turn.sent()
+            sent.append(time.monotonic())
+            await asyncio.sleep(0.1)
+
+    await asyncio.gather(take(0.3), take(0.0), take(0.0))
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
+    assert min(gaps) >= 0.045, gaps
 
 
 async def test_a_new_owner_honours_the_stored_next_due_time_and_pause() -> None:
