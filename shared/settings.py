@@ -42,7 +42,9 @@ class MeshSettings(BaseSettings):
     storage: Literal["file", "memory"] = "file"
     stage_max_bytes: int = Field(1 << 30, description="Max bytes held by each internal stage stream.")
     stage_max_msgs_per_subject: int = Field(
-        -1, description="Cap on messages one tenant+job may queue in a stage (-1: none)."
+        1000, description="Cap on messages one tenant+job may queue in each of the LINKS, FETCHED "
+        "and PARSED streams, enforced by the server (max_msgs_per_subject, discard_new_per_subject); "
+        "a publisher finding it full waits for room (back-pressure). -1: no cap.",
     )
     dlq_max_age_s: float = Field(14 * 86400, description="How long dead letters are kept.")
     results_max_age_s: float = Field(7 * 86400, description="How long tenant results are kept.")

@@ -81,8 +81,11 @@ class ConsumerSpec:
 
 LINKS = StreamSpec("LINKS", ("mesh.links.>",), description="discovered links -> dedup",
                    per_subject_cap=True)
-FRONTIER = StreamSpec("FRONTIER", ("mesh.frontier.>",), description="admitted URLs -> fetcher",
-                      per_subject_cap=True)
+FRONTIER = StreamSpec("FRONTIER", ("mesh.frontier.>",), description="admitted URLs -> fetcher")
+"""Not capped per subject: the frontier is where a crawl's backlog lives, bounded by each
+job's page budget (dedup admits at most ``max_pages``, itself at most the tenant's quota).
+A cap here would close the cycle frontier -> fetcher -> FETCHED -> parser -> LINKS -> dedup
+-> frontier: with every stage waiting for room downstream, nothing would drain."""
 FETCHED = StreamSpec("FETCHED", ("mesh.fetched.>",), description="fetched pages -> parser",
                      per_subject_cap=True)
 PARSED = StreamSpec("PARSED", ("mesh.parsed.>",), description="parsed pages -> sink",
@@ -141,12 +144,16 @@ def tenant_stream_config(stream: str, settings: MeshSettings, storage_bytes: int
     NEW (a full stream refuses, never drops old results), no roll-ups, TTLs or schedules;
     tenants may delete messages and purge, not change the configuration (their user
     permissions deny it; the sink checks).
+
+    On a cluster every replica counts against the account's storage (nats-server reserves
+    ``max_bytes`` x replicas), so with ``settings.replicas`` R each stream gets 1/R of its
+    share: the quota is the disk the tenant uses across the cluster.
     """
     reserve = events_reserve_bytes(storage_bytes)
     if stream == RESULTS:
-        subjects_, max_bytes = ["crawl.results.>"], max(storage_bytes - reserve, 1)
+        subjects_, max_bytes = ["crawl.results.>"], max((storage_bytes - reserve) // settings.replicas, 1)
     elif stream == EVENTS:
-        subjects_, max_bytes = ["crawl.events.>"], max(reserve, 1)
+        subjects_, max_bytes = ["crawl.events.>"], max(reserve // settings.replicas, 1)
     else:
         raise ValueError(f"not a tenant stream: {stream!r}")
     return StreamConfig(

@@ -199,9 +199,12 @@ class Downloader:
         """GET ``url`` without following redirects; read the body if ``wanted`` says so.
 
         The body is read as raw bytes and decoded by :class:`BoundedDecoder`, which stops
-        at ``max_bytes`` decoded bytes and closes the connection. ``on_sent`` is called when
-        the request's headers start going out (httpcore's ``send_request_headers.started``
-        trace event), after any connection set-up: politeness spaces requests from there.
+        at ``max_bytes`` decoded bytes and closes the connection. ``on_sent`` is called once
+        the request's headers have been handed to the socket (httpcore's
+        ``send_request_headers.complete`` trace event), after any connection set-up:
+        politeness spaces the next request from there. Not from ``.started``: between the
+        two the write yields to the event loop, and a busy loop would send the request
+        later than the moment the next one is spaced from.
 
         Raises:
             FetchError: connection, timeout (connect, read or the total deadline of
@@ -249,7 +252,7 @@ def _trace(on_sent: Callable[[], None] | None) -> dict[str, object]:
         return {}
 
     async def trace(event: str, info: dict[str, object]) -> None:
-        if event.endswith("send_request_headers.started"):
+        if event.endswith("send_request_headers.complete"):
             on_sent()
 
     return {"trace": trace}

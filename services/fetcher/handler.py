@@ -235,12 +235,12 @@ class FetcherHandler:
         held = False
         while True:
             now = utc_now()
-            queue_s = self.politeness.queue_wait_s(entry.host, delay_s)
+            queue_s = self.politeness.queue_wait_s(entry.host, delay_s, entry.tenant)
             scheduled_s = (entry.not_before - now).total_seconds() if entry.not_before else 0.0
             if scheduled_s > 0:  # re-published earlier: it already has its slot
                 due_s = max(scheduled_s, queue_s)
             else:
-                due_s = max(queue_s, self.politeness.booked_wait_s(entry.host))
+                due_s = max(queue_s, self.politeness.booked_wait_s(entry.host, entry.tenant))
             if due_s <= horizon:
                 if scheduled_s > 0:
                     await self._sleep(scheduled_s, guard)
@@ -253,7 +253,7 @@ class FetcherHandler:
                 assert entry.not_before is not None
                 return self._reschedule(entry, entry.not_before)
             if scheduled_s <= 0:
-                self.politeness.book(entry.host, due_s, delay_s)
+                self.politeness.book(entry.host, due_s, delay_s, entry.tenant)
             return self._reschedule(entry, now + timedelta(seconds=due_s))
 
     def _reschedule(self, entry: FrontierEntry, not_before: datetime) -> Outbound:
@@ -296,7 +296,8 @@ class FetcherHandler:
             metrics.ROBOTS_DECISIONS.labels("allowed").inc()  # once per URL requested
             queued = time.perf_counter()
             try:
-                async with self.politeness.turn(host, delay_s, self._guard(entry)) as turn:
+                async with self.politeness.turn(host, delay_s, self._guard(entry),
+                                                tenant=entry.tenant) as turn:
                     metrics.POLITENESS_WAIT.observe(waited_s + time.perf_counter() - queued)
                     waited_s, started = 0.0, time.perf_counter()
                     response = await self.downloader.get(

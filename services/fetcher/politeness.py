@@ -12,7 +12,10 @@ The delay is then multiplied by the host's adaptive slow-down factor (see
 :class:`~services.fetcher.settings.FetcherSettings`). A ``Retry-After`` pauses the host
 (:meth:`HostPoliteness.pause`).
 
-Requests to a host take turns FIFO (:meth:`HostPoliteness.turn`). While waiting, and
+Requests to a host take turns round-robin among tenants, FIFO within a tenant
+(:class:`FairGate`, :meth:`HostPoliteness.turn`): a tenant with thousands of URLs queued for a
+host takes turns with a tenant that has a few, and the host's one budget is shared by
+both. While waiting, and
 right before the request starts, the turn calls its ``guard`` (the partition lease check
 of :mod:`services.fetcher.leases`), which raises :class:`LeaseLost` once this fetcher no
 longer owns the host's partition: the entry is then re-published, not fetched.
@@ -25,8 +28,9 @@ fetcher takes a partition), so a new owner honours the previous owner's budget.
 
 The queue can be estimated (:meth:`HostPoliteness.queue_wait_s`) so the handler can
 re-publish an entry that would wait beyond its horizon instead of holding it; entries
-re-published for later are *booked* (:meth:`HostPoliteness.book`) so the next ones are
-spread after them rather than all given the same due time.
+re-published for later are *booked* (:meth:`HostPoliteness.book`), per tenant, so the
+next ones are spread after them rather than all given the same due time, and so one tenant's
+bookings far into the future do not push another tenant's first URL behind them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -96,13 +101,67 @@ class Adaptive:
     floor_s: float = 0.25
 
 
+class FairGate:
+    """A lock handed out round-robin among keys (tenants), first come first served within a
+    key: when it is released, the next holder is the oldest waiter of the key after the
+    last holder's in rotation, so no key waits behind another key's whole queue.
+
+    Waiters that are cancelled leave their queue; a waiter cancelled just after being
+    handed the lock passes it on.
+    """
+
+    def __init__(self) -> None:
+        self._held = False
+        self._holder = ""  # key of the current (or last) holder
+        self._waiters: dict[str, deque[asyncio.Future[None]]] = {}  # key order = rotation
+
+    def locked(self) -> bool:
+        return self._held
+
+    async def acquire(self, key: str) -> None:
+        if not self._held and not self._waiters:
+            self._held, self._holder = True, key
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(key, deque()).append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed the lock, then cancelled: pass it on
+            else:
+                queue = self._waiters.get(key)
+                if queue is not None:
+                    with contextlib.suppress(ValueError):
+                        queue.remove(waiter)
+                    if not queue:
+                        del self._waiters[key]
+            raise
+
+    def release(self) -> None:
+        """Hand the lock to the next key's oldest waiter, or free it."""
+        while self._waiters:
+            # the first key in rotation other than the one that just had its turn
+            key = next((k for k in self._waiters if k != self._holder), self._holder)
+            queue = self._waiters.pop(key)
+            waiter = queue.popleft()
+            if queue:
+                self._waiters[key] = queue  # to the back of the rotation
+            if not waiter.done():
+                self._holder = key
+                waiter.set_result(None)  # the lock passes on, still held
+                return
+        self._held = False
+
+
 @dataclass
 class _Host:
-    gate: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO: who starts next
+    gate: FairGate = field(default_factory=FairGate)  # who starts next
     freed: asyncio.Event = field(default_factory=asyncio.Event)
     ready_at: float = 0.0  # monotonic time before which no request may start
     paused_until: float = 0.0  # monotonic
-    booked_until: float = 0.0  # end of the last slot booked for a re-published entry
+    booked: dict[str, float] = field(default_factory=dict)  # tenant -> end of its last booking
+    by_tenant: Counter[str] = field(default_factory=Counter)  # requests waiting or in flight
     queued: int = 0  # requests waiting or in flight
     in_flight: int = 0
     last_delay_s: float = 0.0
@@ -187,26 +246,43 @@ class HostPoliteness:
 
     # ---- queue estimates and bookings ----------------------------------------------------
 
-    def queue_wait_s(self, host: str, delay_s: float) -> float:
-        """Estimated seconds before a request joining ``host``'s queue now would start.
+    def queue_wait_s(self, host: str, delay_s: float, tenant: str = "") -> float:
+        """Estimated seconds before a request of ``tenant`` joining ``host``'s queue now
+        would start.
 
-        Each request ahead is assumed to take no time beyond its delay (a lower bound).
+        Turns go round-robin among tenants (:class:`FairGate`): with ``m`` requests of its
+        own ahead, a request waits for ``m`` plus, of each other tenant, at most ``m + 1``.
+        Each is assumed to take no time beyond its delay (a lower bound).
         """
         state = self._hosts.get(host.lower())
         if state is None:
             return 0.0
         idle_in = max(state.ready_at - self.clock(), 0.0)
-        return idle_in + state.queued * max(delay_s, state.last_delay_s)
+        mine = state.by_tenant.get(tenant, 0)
+        ahead = mine + sum(min(count, mine + 1) for other, count in state.by_tenant.items()
+                           if other != tenant)
+        return idle_in + ahead * max(delay_s, state.last_delay_s)
 
-    def booked_wait_s(self, host: str) -> float:
-        """Seconds until the slots already booked for re-published entries of ``host`` end."""
+    def booked_wait_s(self, host: str, tenant: str = "") -> float:
+        """Seconds until the slots ``tenant`` already booked for re-published entries of
+        ``host`` end."""
         state = self._hosts.get(host.lower())
-        return 0.0 if state is None else max(state.booked_until - self.clock(), 0.0)
+        if state is None:
+            return 0.0
+        return max(state.booked.get(tenant, 0.0) - self.clock(), 0.0)
 
-    def book(self, host: str, wait_s: float, delay_s: float) -> None:
-        """Record that an entry of ``host`` was re-published to start in ``wait_s`` seconds."""
+    def book(self, host: str, wait_s: float, delay_s: float, tenant: str = "") -> None:
+        """Record that an entry of ``tenant`` for ``host`` was re-published to start in
+        ``wait_s`` seconds. Its slot is ``delay_s`` times the number of tenants with work
+        or bookings on the host (they share it turn by turn)."""
         state = self._state(host)
-        state.booked_until = max(state.booked_until, self.clock() + wait_s + delay_s)
+        now = self.clock()
+        sharing = {t for t, until in state.booked.items() if until > now}
+        sharing |= {t for t, count in state.by_tenant.items() if count}
+        sharing.add(tenant)
+        state.booked = {t: until for t, until in state.booked.items() if until > now}
+        state.booked[tenant] = max(state.booked.get(tenant, 0.0),
+                                   now + wait_s + delay_s * len(sharing))
 
     # ---- feedback --------------------------------------------------------------------------
 
@@ -295,20 +371,22 @@ class HostPoliteness:
 
     @asynccontextmanager
     async def turn(self, host: str, delay_s: float, guard: Guard | None = None,
-                   max_in_flight: int | None = None) -> AsyncIterator[Turn]:
+                   max_in_flight: int | None = None, tenant: str = "") -> AsyncIterator[Turn]:
         """Wait for ``host``'s turn; the body is the request.
 
         The request starts at least ``delay_s`` after the previous start (and, with one in
         flight, after the previous end), with fewer than ``max_in_flight`` (default: the
-        host's rule) in flight. ``guard`` is called while waiting and right before the
-        start; its :class:`LeaseLost` propagates (no request made).
+        host's rule) in flight. Turns go round-robin among ``tenant`` s. ``guard`` is called
+        while waiting and right before the start; its :class:`LeaseLost` propagates (no
+        request made).
         """
         host = host.lower()
         limit = max_in_flight or self.rule_for(host).max_in_flight
         state = self._state(host)
         state.queued += 1
+        state.by_tenant[tenant] += 1
         try:
-            await state.gate.acquire()
+            await state.gate.acquire(tenant)
             try:
                 while True:
                     if guard is not None:
@@ -373,6 +451,9 @@ class HostPoliteness:
                 self._save_soon(host, state)
         finally:
             state.queued -= 1
+            state.by_tenant[tenant] -= 1
+            if not state.by_tenant[tenant]:
+                del state.by_tenant[tenant]
             self._forget_idle()
 
     def _state(self, host: str) -> _Host:
@@ -387,5 +468,6 @@ class HostPoliteness:
             return
         now = self.clock()
         for host, state in list(self._hosts.items()):
-            if state.queued == 0 and state.ready_at <= now and state.booked_until <= now:
+            if state.queued == 0 and state.ready_at <= now and \
+                    all(until <= now for until in state.booked.values()):
                 del self._hosts[host]

@@ -83,6 +83,24 @@ class Delivery:
     published_at: datetime | None = None
 
 
+class StageFull(TransientError):
+    """A stage stream refused an output (PubAck error 10077): the tenant+job's subject holds
+    its cap of ``max_msgs_per_subject`` messages (``discard_new_per_subject``), or the whole
+    stream is full. Not a failure of the input: the loop waits for room (back-pressure)."""
+
+    def __init__(self, subject: str, description: str) -> None:
+        super().__init__(f"{subject}: {description}")
+        self.subject = subject
+
+
+STREAM_FULL = 10077
+"""JetStream's ``JSStreamStoreFailedF``: "maximum messages per subject exceeded",
+"maximum bytes exceeded", "maximum messages exceeded" (nats-server 2.15)."""
+
+BACKPRESSURE_MAX_WAIT_S = 2.0
+"""Longest pause between two attempts to publish into a full stage subject, seconds."""
+
+
 class Handler(Protocol[M_contra]):
     """A service's pure handler: input model in, outbound messages out."""
 
@@ -97,6 +115,8 @@ async def publish_all(js: JetStreamContext, outputs: Sequence[Outbound]) -> None
     inside its own PRODUCER span, whose W3C trace context goes in its headers.
 
     Raises:
+        StageFull: a ``mesh.*`` stage stream refused an output for lack of room (its phase's
+            other outputs were still sent; later phases were not).
         TransientError: a publish failed or timed out (the input will be retried; the
             outputs that did land are de-duplicated by their ids).
     """
@@ -110,12 +130,19 @@ async def publish_all(js: JetStreamContext, outputs: Sequence[Outbound]) -> None
                                      headers={**out.headers, **context})
                 return
             headers = {**out.headers, **context, "Nats-Msg-Id": out.msg_id}
-            await js.publish(out.subject, encode(out.message), headers=headers)
+            try:
+                await js.publish(out.subject, encode(out.message), headers=headers)
+            except APIError as error:
+                if error.err_code == STREAM_FULL and out.subject.startswith("mesh."):
+                    raise StageFull(out.subject, str(error.description)) from error
+                raise
 
     for phase in sorted({out.phase for out in outputs}):
         batch = [out for out in outputs if out.phase == phase]
         results = await asyncio.gather(*(one(out) for out in batch), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
+        if full := [e for e in errors if isinstance(e, StageFull)]:
+            raise full[0]
         if errors:
             raise TransientError(f"publish failed: {errors[0]!r}", retry_after_s=None)
 
@@ -226,11 +253,10 @@ class ConsumeLoop(Generic[M]):
                         f"injected fault (CRAWLMESH_FAULT_INJECT) in {self.spec.stage}")
                 if self.pool is None:
                     outputs = await self.handler.handle(message, delivery)
-                    await publish_all(self.js, outputs)
                 else:
                     async with self.pool:
                         outputs = await self.handler.handle(message, delivery)
-                        await publish_all(self.js, outputs)
+                await self._publish(outputs, delivery)
             except asyncio.CancelledError:
                 heartbeat.cancel()
                 tracing.settled(span, "nak", "cancelled (stopping)")
@@ -244,6 +270,34 @@ class ConsumeLoop(Generic[M]):
             await self._settle(msg, delivery, error)
         metrics.HANDLER_DURATION.labels(str(self.spec.stage), self.spec.durable).observe(
             time.perf_counter() - started)
+
+    async def _publish(self, outputs: Sequence[Outbound], delivery: Delivery) -> None:
+        """:func:`publish_all`, waiting while a stage subject is full (back-pressure).
+
+        The input stays unacked with its ``in_progress`` heartbeat running, outside the
+        shared handler slots, so it does not count as a delivery and a tenant that fills
+        its cap slows only its own loop; other tenants' subjects have room of their own.
+        Retried with exponential backoff (50 ms doubling to
+        :data:`BACKPRESSURE_MAX_WAIT_S`) until the stage's consumer makes room; on stop the
+        drain cancels the wait and the input is nak'ed for redelivery.
+        """
+        pause = 0.05
+        waited = 0.0
+        while True:
+            try:
+                await publish_all(self.js, outputs)
+                break
+            except StageFull as full:
+                if waited == 0.0:
+                    log.info("stage full, holding %s until there is room: %s",
+                             delivery.subject, full)
+                metrics.BACKPRESSURE_WAITS.labels(
+                    str(self.spec.stage), delivery.tenant, full.subject.split(".")[1]).inc()
+                await asyncio.sleep(pause)
+                waited += pause
+                pause = min(pause * 2, BACKPRESSURE_MAX_WAIT_S)
+        if waited:
+            metrics.BACKPRESSURE_SECONDS.labels(str(self.spec.stage), delivery.tenant).inc(waited)
 
     async def _settle(self, msg: Msg, delivery: Delivery, error: BaseException | None) -> None:
         outcome = decide(error, delivery.delivered, self.max_deliver, self.settings.backoff_s)

@@ -32,6 +32,19 @@ DEAD_LETTERS = Counter(
 
 # ---- fetcher ----------------------------------------------------------------------------
 
+BACKPRESSURE_WAITS = Counter(
+    "crawlmesh_backpressure_waits_total",
+    "Publishes refused because a tenant+job's subject in the next stage stream was at its cap "
+    "(or the stream was full) and retried later, by publishing stage, tenant and full stage.",
+    ["stage", "tenant", "full_stage"],
+)
+
+BACKPRESSURE_SECONDS = Counter(
+    "crawlmesh_backpressure_seconds_total",
+    "Time deliveries were held waiting for room in the next stage stream, seconds.",
+    ["stage", "tenant"],
+)
+
 FETCH_DURATION = Histogram(
     "crawlmesh_fetch_duration_seconds",
     "HTTP fetch time (all redirect hops), seconds, by status class (2xx..5xx, error).",

@@ -156,8 +156,10 @@ def judge(hits: list[Hit], delay_s: float, max_in_flight: int,
         if b.start - a.start < delay_s - tolerance_s:
             problems.append(f"{a.path} -> {b.path}: starts {b.start - a.start:.3f} s apart "
                             f"(delay {delay_s} s), {time.time() - time.monotonic() + a.start:.3f}")
+    # At equal times a start counts before an end: a log with coarse clocks never hides
+    # an overlap.
     events = sorted([(h.start, 1) for h in pages] + [(h.end, -1) for h in pages],
-                    key=lambda e: (e[0], e[1]))
+                    key=lambda e: (e[0], -e[1]))
     now = most = 0
     for _, step in events:
         now += step

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from services.fetcher.handler import FRONTIER_ID_STAGE
-from services.fetcher.politeness import HostPoliteness, Rule
+from services.fetcher.politeness import FairGate, HostPoliteness, Rule
 from shared import subjects
 from shared.contracts import FetchedPage, FrontierEntry, utc_now
 from tests.sites import Site
@@ -238,3 +238,83 @@ def test_adaptive_slow_down_doubles_then_recovers() -> None:
     for _ in range(3):
         polite.penalise("h")
     assert polite.delay_for("h") == pytest.approx(0.25 * 8)  # capped at 8x
+
+
+# ---- tenants take turns on a shared host ---------------------------------------------------
+
+
+async def test_fair_gate_hands_turns_round_robin_among_tenants() -> None:
+    gate = FairGate()
+    order: list[str] = []
+
+    async def take(tenant: str, n: int) -> None:
+        await gate.acquire(tenant)
+        order.append(f"{tenant}{n}")
+        await asyncio.sleep(0)
+        gate.release()
+
+    await gate.acquire("a")  # held while everybody queues
+    tasks = [asyncio.create_task(take("a", n)) for n in range(5)]
+    await asyncio.sleep(0)
+    tasks += [asyncio.create_task(take("b", n)) for n in range(2)]
+    await asyncio.sleep(0)
+    gate.release()
+    await asyncio.gather(*tasks)
+    assert order == ["b0", "a0", "b1", "a1", "a2", "a3", "a4"]  # "a" just had its turn
+    assert not gate.locked()
+
+
+async def test_fair_gate_survives_cancelled_waiters() -> None:
+    gate = FairGate()
+    await gate.acquire("a")
+    gone = asyncio.create_task(gate.acquire("b"))
+    stays = asyncio.create_task(gate.acquire("c"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    gate.release()
+    await asyncio.wait_for(stays, 1)  # the cancelled waiter was skipped
+    # handed the lock and cancelled before it ran: the lock passes on, not lost
+    handed = asyncio.create_task(gate.acquire("b"))
+    after = asyncio.create_task(gate.acquire("d"))
+    await asyncio.sleep(0)
+    gate.release()  # hands it to `handed`...
+    handed.cancel()  # ...which is cancelled before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await handed
+    await asyncio.wait_for(after, 1)
+    assert gate.locked()
+    gate.release()
+    assert not gate.locked()
+
+
+async def test_a_small_tenant_is_not_queued_behind_a_large_one_on_the_same_host() -> None:
+    polite = HostPoliteness(0.0, {}, 10.0)
+    order: list[str] = []
+
+    async def take(tenant: str) -> None:
+        async with polite.turn("h", 0.01, tenant=tenant):
+            order.append(tenant)
+
+    tasks = [asyncio.create_task(take("big")) for _ in range(20)]
+    await asyncio.sleep(0)
+    # the small tenant's estimate counts one turn of the big tenant's, not its whole queue
+    assert polite.queue_wait_s("h", 0.01, "small") < 0.01 * 3
+    assert polite.queue_wait_s("h", 0.01, "big") >= 0.01 * 19
+    tasks += [asyncio.create_task(take("small")) for _ in range(2)]
+    await asyncio.gather(*tasks)
+    assert order.index("small") <= 2 and order.index("small", order.index("small") + 1) <= 4
+    assert order.count("big") == 20
+
+
+def test_bookings_are_per_tenant_and_shared_slots_are_spread() -> None:
+    now = [100.0]
+    polite = HostPoliteness(0.0, {}, 10.0, clock=lambda: now[0])
+    polite.book("h", 300.0, 0.02, tenant="big")  # the big tenant's backlog, far ahead
+    assert polite.booked_wait_s("h", "big") == pytest.approx(300.02)
+    assert polite.booked_wait_s("h", "small") == 0.0  # not behind the big tenant's bookings
+    polite.book("h", 0.5, 0.02, tenant="small")  # two tenants share the host now
+    assert polite.booked_wait_s("h", "small") == pytest.approx(0.5 + 2 * 0.02)
+    now[0] += 1000
+    assert polite.booked_wait_s("h", "big") == 0.0
