@@ -285,3 +285,56 @@ def test_three_fetchers_two_tenants_stay_polite_through_a_fetcher_kill(tmp_path:
     assert {name: v.violations for name, v in verdicts.items() if v.violations} == {}
     assert [h.path for h in limited.hits].count("/p1") == 2  # 429, then 200 after the pause
     assert time.monotonic() - started < 200
+
+
+def test_a_small_crawl_takes_turns_with_a_large_one_on_the_same_host(tmp_path: Path) -> None:
+    """Tenant ``default`` has a backlog of 150 pages on a host; tenant ``b`` then asks for 5
+    pages of the same host. ``b``'s requests take turns with ``default``'s (round-robin per
+    tenant on the host, bookings per tenant) instead of waiting behind the whole backlog,
+    and the host still sees one request per delay."""
+    pages = linked_pages(150)
+    small = {f"/s{i}": html(" ".join(f'<a href="/s{k}">x</a>' for k in range(5)), f"S{i}")
+             for i in range(5)}
+    host = LoggedSite("127.0.0.25", {**pages, **small}).start()
+    delay_s = 0.05
+    mesh = MeshProcess(tmp_path / "home", env={
+        "CRAWLMESH_FETCHER_HOST_DELAYS": orjson.dumps({"127.0.0.*": delay_s}).decode(),
+    }).start()
+
+    async def run() -> tuple[int, bool]:
+        async with TenantControl.open(mesh.settings) as control:
+            await control.ensure("b")
+        conns = {t: await connect(mesh.settings, f"test-{t}",
+                                  creds=KeyStore(mesh.home).tenant_creds(t))
+                 for t in (DEFAULT_TENANT, "b")}
+        try:
+            big = await submit(conns[DEFAULT_TENANT],
+                               CrawlRequest(seeds=(host.base + "/",), max_depth=50))
+            big_done = asyncio.create_task(wait_for_job(conns[DEFAULT_TENANT], big, show=False))
+            await asyncio.to_thread(wait_for, lambda: len(host.hits) >= 30, 60, "30 requests")
+            before = len(host.hits)
+            job = await submit(conns["b"], CrawlRequest(seeds=(host.base + "/s0",), max_depth=5))
+            event = await wait_for_job(conns["b"], job, show=False)
+            assert event.kind is JobEventKind.COMPLETED
+            big_running = not big_done.done()
+            assert (await big_done).kind is JobEventKind.COMPLETED
+            return before, big_running
+        finally:
+            for nc in conns.values():
+                await nc.close()
+
+    try:
+        before, big_running = asyncio.run(run())
+    finally:
+        assert mesh.stop() == 0
+        host.stop()
+    order = [h.path for h in sorted(host.hits, key=lambda h: h.start)][before:]
+    first = next(i for i, path in enumerate(order) if path.startswith("/s"))
+    last = max(i for i, path in enumerate(order) if path.startswith("/s"))
+    print(f"b's 5 requests at positions {first}..{last} of the host's requests after it "
+          f"submitted (the other tenant had ~{150 - before} queued)")
+    assert big_running, "the large crawl ended before the small one: nothing was shown"
+    assert sorted(p for p in order if p.startswith("/s")) == sorted(small)
+    assert last <= 5 * 2 + 10, f"b waited behind the other tenant's backlog: {order[:last + 1]}"
+    verdict = judge(host.hits, delay_s, 1)
+    assert verdict.violations == []
