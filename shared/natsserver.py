@@ -54,21 +54,53 @@ def server_binary() -> str:
     return found
 
 
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The ``cluster`` block of one server of a JetStream cluster (nats-server "Clustering").
+
+    Attributes:
+        routes: the route URLs of every server of the cluster, this one included (a route
+            to itself is detected and ignored), e.g. ``nats-route://nats-2:6222``.
+        listen: ``host:port`` this server accepts routes on.
+        name: the cluster's name, the same on every server.
+    """
+
+    routes: tuple[str, ...]
+    listen: str = "0.0.0.0:6222"
+    name: str = "crawlmesh"
+
+    def block(self) -> str:
+        """The config text, e.g. ``cluster { name: crawlmesh, listen: "0.0.0.0:6222", routes: [...] }``."""
+        routes = ", ".join(f'"{route}"' for route in self.routes)
+        return f'cluster {{ name: "{self.name}", listen: "{self.listen}", routes: [{routes}] }}'
+
+
 def write_config(
     path: Path, *, store_dir: Path, host: str = "127.0.0.1", port: int = 4222,
-    http_port: int | None = None, extra: str = "",
+    http_port: int | None = None, extra: str = "", server_name: str | None = None,
+    cluster: ClusterSpec | None = None,
 ) -> Path:
     """Write a JetStream-enabled nats-server config to ``path`` and return it.
 
     ``port`` -1 picks a free port. ``extra`` is appended verbatim (operator mode settings).
+    ``server_name`` names the server (required in a JetStream cluster, unique per server);
+    a value starting with ``$`` is written unquoted, so nats-server reads it from that
+    environment variable (one file for every server of a cluster). ``cluster`` adds the
+    routes to the other servers.
     """
-    lines = [
+    lines = []
+    if server_name is not None:
+        lines.append(f"server_name: {server_name}" if server_name.startswith("$")
+                     else f'server_name: "{server_name}"')
+    lines += [
         f'listen: "{host}:{port}"',
         f'jetstream {{ store_dir: "{store_dir}" }}',
         "max_payload: 1MB",
     ]
     if http_port is not None:
         lines.append(f'http: "{host}:{http_port}"')
+    if cluster is not None:
+        lines.append(cluster.block())
     if extra:
         lines.append(extra)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from shared.accounts.control import TenantControl
 from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
 from shared.bus.service import Beside, LoopSpec, run_service
+from shared.cli.bootstrap import InitError, ServerPlan, export_creds
 from shared.launcher import (
     FETCHER_REPLICAS_ENV,
     SERVICES,
@@ -34,11 +35,10 @@ from shared.launcher import (
     file_lock,
     running_mesh,
 )
-from shared.natsserver import write_config
 from shared.settings import MeshSettings
 from shared.streams import ensure_mesh
 from shared.telemetry.logs import setup_logging
-from shared.tenancy import DEFAULT_TENANT
+from shared.tenancy import DEFAULT_TENANT, TenantError, check_name
 
 console = Console(stderr=True)
 
@@ -74,30 +74,102 @@ async def initialise(
     return ids
 
 
-def init() -> None:
+def init(
+    server_config: Path | None = typer.Option(
+        None, "--server-config", help="Where to write the nats-server config "
+        "(default: <home>/nats-server.conf)."),
+    listen: str | None = typer.Option(
+        None, "--listen", metavar="HOST:PORT", help="Client address in that config "
+        "(default: the first server of CRAWLMESH_NATS_URL); 0.0.0.0:4222 in a container."),
+    monitor_port: int | None = typer.Option(
+        None, "--monitor-port", min=1, max=65535,
+        help="HTTP monitoring port in that config (/healthz, /varz, /jsz)."),
+    cluster_routes: str = typer.Option(
+        "", "--cluster-routes", metavar="URLS",
+        help="Comma-separated nats-route://HOST:PORT of every server of a JetStream cluster; "
+        "used when CRAWLMESH_REPLICAS > 1 (each server names itself by $NATS_SERVER_NAME)."),
+    offline: bool = typer.Option(
+        False, "--offline", help="Only keys, JWTs, the config and creds files: do not "
+        "contact NATS (the server is started with that config, then init runs again)."),
+    wait_s: float = typer.Option(
+        0.0, "--wait", min=0, metavar="SECONDS",
+        help="Keep trying NATS this long (a server or cluster still starting); 0: try once."),
+    tenants: list[str] = typer.Option(
+        [], "--tenant", help="Another tenant to create if missing (repeatable; "
+        f"'{DEFAULT_TENANT}' always is)."),
+    mesh_creds_out: Path | None = typer.Option(
+        None, "--mesh-creds-out", help="Also copy the MESH user's creds file here "
+        "(what the services connect with; they need no keys)."),
+    tenant_creds_out: Path | None = typer.Option(
+        None, "--tenant-creds-out", help="Also copy each tenant's creds file into this "
+        "folder as NAME.creds."),
+) -> None:
     """Mint the operator, SYS and MESH keys and JWTs (once) and write the nats-server
-    config; then, if NATS answers, create streams, consumers, buckets and the default tenant."""
+    config; then, if NATS answers, create streams, consumers, buckets and the default tenant.
+    Idempotent: run it again after any change of settings (replicas, limits)."""
     settings = MeshSettings()
+    names = tuple(dict.fromkeys((DEFAULT_TENANT, *tenants)))
+    try:
+        for name in names:
+            check_name(name)
+        plan = ServerPlan.from_options(settings, server_config, listen, monitor_port,
+                                       cluster_routes)
+    except (InitError, TenantError) as error:
+        raise typer.BadParameter(str(error)) from None
     keys = KeyStore(settings.home)
     keys.init_operator()
-    parts = urlsplit(settings.nats_url.split(",")[0].strip())
-    config = write_config(
-        settings.home / "nats-server.conf", store_dir=settings.store_dir,
-        host=parts.hostname or "127.0.0.1", port=parts.port or 4222, extra=keys.server_config(),
-    )
-    console.print(f"operator keys and JWTs in {settings.home}; nats-server config: {config}")
-    if not _reachable(settings.nats_url):
+    config = plan.write(settings, keys)
+    export_creds(keys, mesh_creds_out, None)
+    cluster = plan.cluster(settings)
+    console.print(f"operator keys and JWTs in {settings.home}; nats-server config: {config}"
+                  + (f" (cluster: {', '.join(cluster.routes)})" if cluster else ""))
+    if settings.replicas > 1 and cluster is None:
+        console.print(f"CRAWLMESH_REPLICAS={settings.replicas} needs a JetStream cluster; "
+                      "the config written is for a single server (see --cluster-routes)")
+    if offline:
+        return
+    if not wait_s and not _reachable(settings.nats_url):
         console.print(f"no NATS at {settings.nats_url}: start nats-server with that config "
                       "(or `crawlmesh up`), then run `crawlmesh init` again")
         return
     try:
-        ids = asyncio.run(initialise(settings))
+        ids = asyncio.run(_initialise_within(settings, names, wait_s))
     except (nats.errors.NoServersError, OSError) as error:
         _say(f"[red]cannot reach NATS at {settings.nats_url}:[/] {escape(str(error))}")
         raise typer.Exit(1) from None
+    except Exception as error:
+        _say(f"[red]could not initialise the mesh at {settings.nats_url}:[/] "
+             f"{escape(repr(error))}")
+        raise typer.Exit(1) from None
+    plan.write(settings, keys)  # preload MESH's JWT as it is now (with the tenants' imports)
+    export_creds(keys, mesh_creds_out, tenant_creds_out, names)
     for name, tenant_id in ids.items():
-        console.print(f"tenant [bold]{name}[/]: {tenant_id} "
-                      f"(creds: {keys.tenant_creds(name)})")
+        creds = tenant_creds_out / f"{name}.creds" if tenant_creds_out else keys.tenant_creds(name)
+        console.print(f"tenant [bold]{name}[/]: {tenant_id} (creds: {creds})")
+
+
+async def _initialise_within(settings: MeshSettings, tenants: Sequence[str],
+                             wait_s: float) -> dict[str, str]:
+    """:func:`initialise`, tried again every 2 s for up to ``wait_s`` seconds while it fails
+    (no server yet, a cluster without a JetStream leader or short of peers for R3 streams).
+
+    Raises:
+        Exception: the last failure, once ``wait_s`` has passed.
+    """
+    deadline = time.monotonic() + wait_s
+    said = 0.0
+    while True:
+        try:
+            return await initialise(settings, tenants)
+        except Exception as error:
+            now = time.monotonic()
+            if now >= deadline:
+                raise
+            if now - said >= 10:
+                said = now
+                _say(f"waiting for NATS at {settings.nats_url} ({deadline - now:.0f} s left): "
+                     f"{escape(str(error) or repr(error))}")
+            await asyncio.sleep(2.0)
 
 
 def service(name: str = typer.Argument(..., help=f"One of: {', '.join(SERVICES)}")) -> None:
