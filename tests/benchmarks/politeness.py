@@ -172,7 +172,7 @@ def start_mesh(home: Path, replicas: int) -> tuple[subprocess.Popen[bytes], dict
     return mesh, env
 
 
-async def run_once(replicas: int, max_pages: int) -> bool:
+async def run_once(replicas: int, max_pages: int, keep: bool = False) -> bool:
     home = Path(tempfile.mkdtemp(prefix="crawlmesh-polite-"))
     site = LoggedCorpus(HOSTS, home / "nginx")
     site.start()
@@ -205,7 +205,7 @@ async def run_once(replicas: int, max_pages: int) -> bool:
               f"{DELAY_S:>6} {verdict.max_in_flight:>14} {IN_FLIGHT:>5} {len(verdict.violations)}")
         for problem in verdict.violations[:5]:
             print(f"    {problem}")
-    if ok:
+    if ok and not keep:
         shutil.rmtree(home, ignore_errors=True)
     else:
         print(f"  logs kept in {home} (nginx/<host>.log, logs/<service>.log)")
@@ -216,10 +216,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--max-pages", type=int, default=100_000, help="per job")
+    parser.add_argument("--keep", action="store_true", help="keep the logs and mesh home")
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores; rule per host: "
           f"{DELAY_S * 1000:.0f} ms between starts, {IN_FLIGHT} in flight")
-    ok = all([asyncio.run(run_once(n, args.max_pages)) for n in args.replicas])
+    ok = all([asyncio.run(run_once(n, args.max_pages, args.keep)) for n in args.replicas])
     print("\nOK: zero violations" if ok else "\nFAILED: violations")
     print("reproduce: ../shared/corpus/serve start && PYTHONPATH=. python tests/benchmarks/politeness.py "
           + " ".join(sys.argv[1:]))
