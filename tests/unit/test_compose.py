@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -288,8 +289,7 @@ def test_paths_volumes_and_ports_line_up(cluster: dict[str, Any], tmp_path: Path
 
     args = [moved(a) if a.startswith("/") else a for a in init]
     for replicas in ("1", "3"):
-        env = {**{k: v for k, v in __import__("os").environ.items()
-                  if not k.startswith("CRAWLMESH_")},
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("CRAWLMESH_")},
                "CRAWLMESH_HOME": moved(home), "CRAWLMESH_REPLICAS": replicas}
         done = subprocess.run([sys.executable, "-m", "shared.cli.main", *args], env=env,
                               capture_output=True, text=True, timeout=60)
