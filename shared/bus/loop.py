@@ -97,6 +97,14 @@ STREAM_FULL = 10077
 """JetStream's ``JSStreamStoreFailedF``: "maximum messages per subject exceeded",
 "maximum bytes exceeded", "maximum messages exceeded" (nats-server 2.15)."""
 
+BUSY_FETCH_S = 1.0
+"""Timeout of a batch pull while messages are flowing, seconds."""
+
+IDLE_FETCH_MIN_S, IDLE_FETCH_MAX_S = 1.0, 5.0
+"""After a pull that found nothing, the loop waits for one message with a lingering pull
+of this long, doubling from the first to the second while the consumer stays idle,
+seconds (a message is delivered the moment it arrives, so this costs no latency)."""
+
 BACKPRESSURE_MAX_WAIT_S = 2.0
 """Longest pause between two attempts to publish into a full stage subject, seconds."""
 
@@ -188,6 +196,7 @@ class ConsumeLoop(Generic[M]):
     async def run(self) -> None:
         """Pull and process until stopped; then drain in-flight work (see module doc)."""
         sub = await self.js.pull_subscribe_bind(self.spec.durable, self.spec.stream)
+        idle_s = 0.0  # > 0: the last fetch found nothing; wait this long for one message
         try:
             while not self.stop.is_set():
                 free = self.concurrency - len(self._tasks)
@@ -198,8 +207,16 @@ class ConsumeLoop(Generic[M]):
                     stopping.cancel()
                     continue
                 try:
-                    msgs = await sub.fetch(min(free, self.settings.fetch_batch), timeout=1.0)
+                    if idle_s:
+                        msgs = await self._wait_for_work(sub, idle_s)
+                        if msgs is None:  # stopped while waiting
+                            break
+                    else:
+                        msgs = await sub.fetch(min(free, self.settings.fetch_batch),
+                                               timeout=BUSY_FETCH_S)
+                    idle_s = 0.0
                 except (NatsTimeoutError, TimeoutError):
+                    idle_s = min(max(idle_s * 2, IDLE_FETCH_MIN_S), IDLE_FETCH_MAX_S)
                     continue
                 except Exception as error:  # connection trouble: back off, keep going
                     log.warning("fetch from %s/%s failed: %r",
@@ -215,6 +232,28 @@ class ConsumeLoop(Generic[M]):
             await self._drain()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _wait_for_work(self, sub: JetStreamContext.PullSubscription,
+                             wait_s: float) -> list[Msg] | None:
+        """Wait up to ``wait_s`` seconds for one message (a lingering pull of one, answered
+        the moment a message arrives), or until stop (then None).
+
+        An idle consumer thus costs one pull request per ``wait_s`` rather than two per
+        second. A pull cancelled by stop may still deliver one message after the loop
+        unsubscribed: it is redelivered after the ack wait, like any unacked message.
+        """
+        fetching = asyncio.ensure_future(sub.fetch(1, timeout=wait_s))
+        stopping = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({fetching, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not fetching.done():
+            fetching.cancel()
+            with contextlib.suppress(BaseException):
+                await fetching
+            return None
+        return fetching.result()
 
     async def _drain(self) -> None:
         if not self._tasks:
