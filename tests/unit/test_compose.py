@@ -335,9 +335,8 @@ def test_launcher_and_compose_run_the_same_services(single: dict[str, Any],
     base = MeshSettings().metrics_base_port
     assert mesh.metrics_urls()["seeder"] == f"http://127.0.0.1:{base}"
     prometheus = yaml.safe_load((ROOT / "compose" / "prometheus" / "prometheus.yml").read_text())
-    targets = {t for group in prometheus["scrape_configs"][0]["static_configs"]
-               for t in group["targets"]}
-    assert targets == {f"{name}:{base}" for name in SERVICES}
+    (discovery,) = prometheus["scrape_configs"][0]["dns_sd_configs"]  # every replica
+    assert (tuple(discovery["names"]), discovery["port"]) == (SERVICES, base)
     for name in SERVICES:
         service = single["services"][name]
         assert service["environment"]["CRAWLMESH_METRICS_PORT"] == str(base)

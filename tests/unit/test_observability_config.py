@@ -159,14 +159,21 @@ def test_grafana_provisions_that_datasource_and_the_dashboards_folder() -> None:
     assert provider["type"] == "file" and provider["options"]["path"]
 
 
-def test_prometheus_scrapes_the_five_services() -> None:
+def test_prometheus_scrapes_every_replica_of_the_five_services() -> None:
+    """DNS discovery of each compose service name (one A record per replica), on the metrics
+    port, labelled with the service name; a service with no replica left is an alert."""
     config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
-    targets = {target: group["labels"]["service"]
-               for group in job["static_configs"] for target in group["targets"]}
-    assert targets == {f"{name}:9460": name for name in
-                       ("seeder", "dedup", "fetcher", "parser", "sink")}
+    assert "static_configs" not in job
+    (discovery,) = job["dns_sd_configs"]
+    assert discovery["names"] == ["seeder", "dedup", "fetcher", "parser", "sink"]
+    assert (discovery["type"], discovery["port"]) == ("A", 9460)
+    assert {"source_labels": ["__meta_dns_name"], "target_label": "service"} in job["relabel_configs"]
     assert config["rule_files"] == ["alerts.yml"]
+    rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())
+    (missing,) = [rule for group in rules["groups"] for rule in group["rules"]
+                  if rule["alert"] == "CrawlmeshServiceMissing"]
+    assert set(re.findall(r'service="(\w+)"', missing["expr"])) == set(discovery["names"])
 
 
 def test_every_alert_has_a_severity_and_says_what_and_why() -> None:
