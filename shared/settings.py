@@ -64,6 +64,11 @@ class MeshSettings(BaseSettings):
         (2.0, 5.0, 15.0, 30.0),
         description="Redelivery delays by attempt (seconds); the first is the ack wait.",
     )
+    fetcher_ack_wait_s: float = Field(
+        10.0, gt=0, description="Least ack wait (and redelivery delay) of the fetcher's frontier "
+        "consumers, seconds: a redelivered frontier entry is a second request to a host, so a busy "
+        "fetcher whose in_progress heartbeat runs late must not see its entries redelivered.",
+    )
     max_ack_pending: int = Field(256, ge=1)
     fetch_batch: int = Field(32, ge=1, description="Messages pulled per fetch request.")
     concurrency: int = Field(16, ge=1, description="Handlers running at once per service.")

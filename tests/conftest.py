@@ -63,6 +63,7 @@ def settings(nats_server: EmbeddedServer, tmp_path: Path) -> MeshSettings:
         nats_connect_timeout_s=2.0,
         max_deliver=3,
         backoff_s=(1.0, 1.0, 1.0),
+        fetcher_ack_wait_s=1.0,  # the fetcher's consumers redeliver as fast as the others
         shutdown_grace_s=5.0,
         stage_max_bytes=64 << 20,
         tenant_results_max_bytes=64 << 20,

@@ -190,7 +190,8 @@ class PartitionSupervisor:
         while self._releases:  # keep the leases renewed while the loops drain
             with contextlib.suppress(Exception):
                 await self.leases.tick()
-            await asyncio.wait(set(self._releases), timeout=self.leases.tick_s)
+            if self._releases:  # the tick may have let the last release finish
+                await asyncio.wait(set(self._releases), timeout=self.leases.tick_s)
         await self.leases.leave()
 
 

@@ -44,7 +44,7 @@ from shared.bus.outcomes import TransientError, Verdict, decide
 from shared.codec import decode, encode
 from shared.contracts.base import Contract
 from shared.settings import MeshSettings
-from shared.streams import ConsumerSpec
+from shared.streams import ConsumerSpec, consumer_backoff
 from shared.telemetry import logs, metrics, tracing
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,8 @@ class ConsumeLoop(Generic[M]):
         order, so the loops of several tenants take turns."""
         self.dead_letters = DeadLetterPublisher(self.js)
         self.max_deliver = -1 if spec.unlimited_deliveries else settings.max_deliver
+        self.backoff_s = consumer_backoff(spec, settings)
+        """This consumer's redelivery delays, seconds (the first is its ack wait)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._fault: re.Pattern[bytes] | None = None
         if settings.fault_inject:
@@ -339,7 +341,7 @@ class ConsumeLoop(Generic[M]):
             metrics.BACKPRESSURE_SECONDS.labels(str(self.spec.stage), delivery.tenant).inc(waited)
 
     async def _settle(self, msg: Msg, delivery: Delivery, error: BaseException | None) -> None:
-        outcome = decide(error, delivery.delivered, self.max_deliver, self.settings.backoff_s)
+        outcome = decide(error, delivery.delivered, self.max_deliver, self.backoff_s)
         tracing.settled(tracing.current_span(), str(outcome.verdict), outcome.reason, error)
         stage, consumer = str(self.spec.stage), self.spec.durable
         metrics.MESSAGES.labels(stage, consumer, delivery.tenant, outcome.verdict).inc()
@@ -378,15 +380,20 @@ class ConsumeLoop(Generic[M]):
         excess; a delay shorter than the excess cannot be had (a delayed nak is redelivered
         no sooner), so never send less than 1 ms (a zero delay would be an immediate nak).
         """
-        backoff = self.settings.backoff_s
+        backoff = self.backoff_s
         if self.spec.unlimited_deliveries or not backoff:  # that consumer has no backoff
             return delay_s
         excess = backoff[min(max(delivered, 1), len(backoff)) - 1] - backoff[0]
         return max(delay_s - excess, 0.001)
 
     async def _heartbeat(self, msg: Msg) -> None:
-        interval = max(self.settings.ack_wait_s / 3, 0.2)
-        with contextlib.suppress(asyncio.CancelledError, Exception):
+        """Send ``in_progress`` every third of the ack wait until cancelled; a failed send
+        (e.g. while reconnecting) is retried at the next beat, never ends the heartbeat."""
+        interval = max(min(self.settings.ack_wait_s, self.backoff_s[0]) / 3, 0.2)
+        with contextlib.suppress(asyncio.CancelledError):
             while True:
                 await asyncio.sleep(interval)
-                await msg.in_progress()
+                try:
+                    await msg.in_progress()
+                except Exception as error:
+                    log.debug("in_progress for %s failed: %r", msg.subject, error)

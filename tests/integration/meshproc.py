@@ -20,6 +20,7 @@ from tests.sites import free_port, wait_for
 TEST_ENV = {
     "CRAWLMESH_MAX_DELIVER": "3",
     "CRAWLMESH_BACKOFF_S": "1,1,1",
+    "CRAWLMESH_FETCHER_ACK_WAIT_S": "1",
     "CRAWLMESH_FETCHER_HOST_DELAYS": '{"127.0.0.*": 0}',
 }
 

@@ -610,11 +610,16 @@ async def test_ensure_is_idempotent_and_follows_settings(
     assert links.max_msgs_per_subject == 100 and links.discard_new_per_subject
     assert links.duplicate_window == changed.duplicate_window_s
     assert (await js.stream_info(streams.DLQ.name)).config.max_msgs_per_subject == -1
-    for spec in (streams.fetcher_partition(0), *streams.tenant_stage_consumers(tenant)):
+    for spec in streams.tenant_stage_consumers(tenant):
         config = (await js.consumer_info(spec.stream, spec.durable)).config
         assert config.max_deliver == 5, spec.durable
         assert config.backoff == [0.5, 2.0, 4.0], spec.durable
         assert config.ack_wait == 0.5 and config.max_ack_pending == 64, spec.durable
+    # the fetcher's: every step at least fetcher_ack_wait_s (a redelivery is a second request)
+    fetcher = (await js.consumer_info(streams.FRONTIER.name,
+                                      streams.fetcher_partition(0).durable)).config
+    assert fetcher.backoff == [1.0, 2.0, 4.0] and fetcher.ack_wait == 1.0
+    assert fetcher.max_deliver == 5 and fetcher.max_ack_pending == 64
     advisor = (await js.consumer_info(streams.ADVISORIES.name, "dlq-advisor")).config
     assert advisor.max_deliver == -1
     assert await count(js, streams.LINKS.name) == 1  # updates keep what is stored
