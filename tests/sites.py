@@ -73,6 +73,18 @@ class Site:
             self.server.server_close()
 
 
+def ring_site(pages: int, fanout: int) -> Site:
+    """A started :class:`Site` of ``pages`` HTML pages ``/p0`` ... each linking to the
+    ``fanout`` pages after ``7 * i`` (mod ``pages``), so all are reachable from ``/p0``; no
+    robots.txt (404)."""
+    site = Site()
+    for i in range(pages):
+        links = " ".join(f'<a href="/p{(i * 7 + k) % pages}">x</a>' for k in range(1, fanout + 1))
+        site.pages[f"/p{i}"] = (200, "text/html", html(links, f"P{i}"))
+    site.pages["/robots.txt"] = (404, "text/plain", b"")
+    return site.start()
+
+
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``predicate`` every 50 ms until true; fail with ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

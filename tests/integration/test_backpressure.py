@@ -20,7 +20,7 @@ from shared import streams
 from shared.bus.connection import connect
 from tests.integration.meshproc import MeshProcess
 from tests.integration.test_crawl import crawl, read_results
-from tests.sites import Site, html
+from tests.sites import ring_site
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,12 +39,7 @@ def waits(metrics_text: str) -> dict[str, float]:
 def test_a_job_at_its_stage_caps_is_held_back_and_still_completes_exactly_once(
         tmp_path: Path) -> None:
     pages = 120
-    site = Site()
-    for i in range(pages):
-        links = " ".join(f'<a href="/p{(i * 7 + k) % pages}">x</a>' for k in range(1, 8))
-        site.pages[f"/p{i}"] = (200, "text/html", html(links, f"P{i}"))
-    site.pages["/robots.txt"] = (404, "text/plain", b"")
-    site.start()
+    site = ring_site(pages, fanout=7)
     mesh = MeshProcess(tmp_path / "home",
                        env={"CRAWLMESH_STAGE_MAX_MSGS_PER_SUBJECT": "1"}).start()
 

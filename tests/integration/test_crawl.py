@@ -21,7 +21,7 @@ from shared.cli.jobs import export_results, read_events, submit, wait_for_job
 from shared.contracts import CrawlRequest, JobEventKind
 from shared.tenancy import DEFAULT_TENANT
 from tests.integration.meshproc import MeshProcess
-from tests.sites import Site, html, wait_for
+from tests.sites import Site, html, ring_site, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -126,12 +126,7 @@ def test_crawl_of_a_site_with_every_kind_of_page(tmp_path: Path) -> None:
 
 def test_crawl_survives_sigkill_of_dedup_and_sink(tmp_path: Path) -> None:
     pages = 150
-    site = Site()
-    for i in range(pages):
-        links = " ".join(f'<a href="/p{(i * 7 + k) % pages}">x</a>' for k in range(1, 6))
-        site.pages[f"/p{i}"] = (200, "text/html", html(links, f"P{i}"))
-    site.pages["/robots.txt"] = (404, "text/plain", b"")
-    site.start()
+    site = ring_site(pages, fanout=5)
     # A small per-host delay keeps the crawl running while processes are killed.
     mesh = MeshProcess(tmp_path / "home",
                        env={"CRAWLMESH_FETCHER_HOST_DELAYS": '{"127.0.0.*": 0.02}'}).start()
