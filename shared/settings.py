@@ -10,11 +10,13 @@ schedules all come from these fields, so moving to a three-node cluster is
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 
 def default_home() -> Path:
@@ -107,6 +109,13 @@ class MeshSettings(BaseSettings):
             return tuple(float(part) for part in text.split(",") if part.strip())
         return value
 
+    @field_validator("stage_max_msgs_per_subject")
+    @classmethod
+    def _check_stage_cap(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be -1 (no cap) or at least 1 (JetStream reads 0 as no cap)")
+        return value
+
     @model_validator(mode="after")
     def _check_schedule(self) -> MeshSettings:
         if not self.backoff_s:
@@ -152,3 +161,51 @@ class MeshSettings(BaseSettings):
     def store_dir(self) -> Path:
         """JetStream store folder of the embedded nats-server."""
         return self.home / "jetstream"
+
+
+def settings_models() -> tuple[type[BaseSettings], ...]:
+    """Every settings model a process of the mesh reads (the mesh's and each service's)."""
+    from services.fetcher.settings import FetcherSettings
+    from services.parser.settings import ParserSettings
+
+    return (MeshSettings, FetcherSettings, ParserSettings)
+
+
+def check_settings() -> None:
+    """Read every settings model from the environment now, so a bad value stops a command
+    (or the launcher) at once instead of a service failing later in its own log.
+
+    Raises:
+        SettingsProblem: one line per bad variable, naming it.
+    """
+    problems = []
+    for model in settings_models():
+        try:
+            model()
+        except (ValidationError, SettingsError) as error:
+            problems.extend(describe_settings_error(model, error))
+    if problems:
+        raise SettingsProblem("; ".join(problems))
+
+
+class SettingsProblem(ValueError):
+    """A ``CRAWLMESH_*`` environment variable has a value its settings model refuses."""
+
+
+def describe_settings_error(model: type[BaseSettings], error: Exception) -> list[str]:
+    """``["CRAWLMESH_X: why (got 'value')", ...]`` for a settings model's error."""
+    prefix = str(model.model_config.get("env_prefix", "")).upper()
+    if not isinstance(error, ValidationError):  # SettingsError: a value that is not JSON
+        field = re.search(r'field "(\w+)"', str(error))
+        if field is None:
+            return [f"{prefix}*: {error}"]
+        name = f"{prefix}{field.group(1).upper()}"
+        return [f"{name}: not valid JSON (got {os.environ.get(name)!r})"]
+    lines = []
+    for problem in error.errors():
+        field = str(problem["loc"][0]) if problem["loc"] else ""
+        name = f"{prefix}{field.upper()}" if field else f"{prefix}*"
+        value = os.environ.get(name) if field else None
+        got = f" (got {value!r})" if value is not None else ""
+        lines.append(f"{name}: {problem['msg']}{got}")
+    return lines

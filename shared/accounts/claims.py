@@ -55,7 +55,7 @@ class TenantQuota(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    storage_bytes: int = Field(GiB, ge=0)
+    storage_bytes: int = Field(GiB, ge=1)  # 0 in the JWT would mean "no JetStream at all"
     max_streams: int = Field(10, ge=2)
     max_consumers: int = Field(100, ge=1)
     max_ack_pending: int = Field(10_000, ge=1)

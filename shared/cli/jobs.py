@@ -56,7 +56,7 @@ from shared.settings import MeshSettings
 from shared.streams import EVENTS, JOBS_BUCKET, RESULTS
 from shared.tenancy import DEFAULT_TENANT, TenantError, TenantRegistry
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # one message, one line (logs, grep)
 T = TypeVar("T")
 
 INTAKE_SUBJECT = "crawl.seeds"

@@ -31,7 +31,22 @@ def schemas(root: Path = typer.Option(Path("."), help="Repository root holding p
 
 
 def main() -> None:
-    app()
+    """Run the CLI; a ``CRAWLMESH_*`` variable with a bad value is one clear line (exit 2),
+    not a traceback."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from shared.settings import SettingsProblem, check_settings
+
+    try:
+        app()
+    except (ValidationError, SettingsError, SettingsProblem):
+        try:
+            check_settings()
+        except SettingsProblem as problem:
+            typer.echo(f"crawlmesh: invalid setting: {problem}", err=True)
+            raise SystemExit(2) from None
+        raise
 
 
 if __name__ == "__main__":

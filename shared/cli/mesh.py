@@ -35,12 +35,12 @@ from shared.launcher import (
     file_lock,
     running_mesh,
 )
-from shared.settings import MeshSettings
+from shared.settings import MeshSettings, SettingsProblem, check_settings
 from shared.streams import ensure_mesh
 from shared.telemetry.logs import setup_logging
 from shared.tenancy import DEFAULT_TENANT, TenantError, check_name
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # one message, one line (logs, grep)
 
 
 def _setups() -> dict[str, Callable[[Client, MeshSettings], Awaitable[Sequence[LoopSpec]]]]:
@@ -177,6 +177,7 @@ def service(name: str = typer.Argument(..., help=f"One of: {', '.join(SERVICES)}
     setups = _setups()
     if name not in setups:
         raise typer.BadParameter(f"unknown service {name!r}; expected one of {', '.join(SERVICES)}")
+    check_settings()  # before connecting: a bad value is one line and exit 2 (see main)
     setup_logging(name)
     try:
         import uvloop
@@ -200,8 +201,13 @@ def start_embedded(settings: MeshSettings, auto: bool = False) -> EmbeddedMesh:
     """Start nats-server, initialise streams and tenants, start the five services.
 
     Raises:
-        MeshError: the server or the initialisation failed.
+        MeshError: a setting of a service is invalid, or the server or the initialisation
+            failed.
     """
+    try:
+        check_settings()  # a service with a bad setting would only fail in its own log
+    except SettingsProblem as problem:
+        raise MeshError(f"invalid setting: {problem}") from None
     mesh = EmbeddedMesh(settings)
     url = mesh.start_server()
     try:

@@ -29,7 +29,7 @@ from shared.tenancy import TenantError, TenantRecord
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Tenant administration (accounts, quotas, creds) at run time.")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # one message, one line (logs, grep)
 T = TypeVar("T")
 _SIZE = TypeAdapter(ByteSize)
 

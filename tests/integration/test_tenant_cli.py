@@ -186,6 +186,9 @@ def test_tenant_errors(settings: MeshSettings, child_env: dict[str, str],
     assert size.returncode == 2 and "not a size: 'lots'" in size.stderr
     streams_ = run(env, "tenant", "add", "x", "--max-streams", "1")
     assert streams_.returncode == 2 and "--max-streams" in streams_.stderr
+    empty = run(env, "tenant", "add", "x", "--storage", "0")  # 0 would mean no JetStream
+    assert empty.returncode == 2 and "--storage-bytes: Input should be greater" in empty.stderr
+    assert "x " not in run(env, "tenant", "list").stdout  # nothing half made
     nothing = run(env, "tenant", "update", "default")
     assert nothing.returncode == 2 and "nothing to change" in nothing.stderr
     no_operator = run({**env, "CRAWLMESH_HOME": str(tmp_path / "empty")}, "tenant", "list")
