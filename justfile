@@ -45,7 +45,12 @@ bench:
 schemas:
     crawlmesh schemas
 
-# Check docker-compose.yml as Docker Compose reads it, for both topologies.
+# Check docker-compose.yml as Docker Compose reads it, for both topologies (Docker's compose
+# plugin, or else the `docker-compose` binary the test extras install: no daemon needed).
 compose-config:
-    docker compose config --quiet
-    docker compose --env-file compose/cluster.env config --quiet
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if docker compose version >/dev/null 2>&1; then compose=(docker compose); else compose=(docker-compose); fi
+    "${compose[@]}" config --quiet
+    "${compose[@]}" --env-file compose/cluster.env config --quiet
+    echo "docker-compose.yml: both topologies valid ($("${compose[@]}" version --short))"
