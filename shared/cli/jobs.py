@@ -114,6 +114,8 @@ async def connect_or_explain(settings: MeshSettings, creds: Path | None = None,
     """
     if creds is not None and not creds.exists():  # noqa: ASYNC240 - one stat
         raise CrawlError(f"creds file {creds} does not exist")
+    if creds is not None:
+        check_creds_file(creds)
     if creds is None:
         try:
             return await connect(settings, name=name, persistent=False)
@@ -149,6 +151,23 @@ async def connect_or_explain(settings: MeshSettings, creds: Path | None = None,
                              "or expired?)") from None
         raise CrawlError(f"cannot reach NATS at {settings.nats_url}: {error} "
                          "(start the mesh with `crawlmesh up`)") from None
+
+
+def check_creds_file(creds: Path) -> None:
+    """Raise :class:`CrawlError` unless ``creds`` reads as a NATS user creds file: a user JWT
+    whose signature verifies, and a user nkey seed (``SU...``)."""
+    from shared.accounts.jwt import JwtError, decode, read_creds_jwt
+
+    try:
+        text = creds.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise CrawlError(f"cannot read creds file {creds}: {error}") from None
+    try:
+        decode(read_creds_jwt(text), claim_type="user")
+    except JwtError as error:
+        raise CrawlError(f"{creds} is not a NATS user creds file: {error}") from None
+    if "-----BEGIN USER NKEY SEED-----" not in text or "\nSU" not in text:
+        raise CrawlError(f"{creds} is not a NATS user creds file: no user nkey seed")
 
 
 def _reachable(url: str) -> bool:
@@ -281,11 +300,20 @@ async def submit(tnc: Client, request: CrawlRequest, timeout_s: float = 30) -> s
     chosen, job = request.job_id is not None, request.job_id or subjects.new_job_id()
     request = request.model_copy(update={"job_id": job, "reply_to": None})
     tjs = tnc.jetstream()
+    try:
+        after = (await tjs.stream_info(EVENTS)).state.last_seq
+    except nats.js.errors.NotFoundError:
+        raise CrawlError("this user's account has no EVENTS stream: these are not a tenant's "
+                         "creds (`crawlmesh tenant show NAME` says where its creds are)") from None
     if chosen and await read_events(tjs, job):
         raise CrawlError(f"crawl rejected: job id {job!r} is already in use")
-    after = (await tjs.stream_info(EVENTS)).state.last_seq
+    payload = encode(request)
+    if len(payload) > tnc.max_payload:
+        raise CrawlError(f"crawl request is {len(payload):,} bytes, over the server's limit of "
+                         f"{tnc.max_payload:,} bytes per message: split the seeds into several "
+                         "crawls")
     try:
-        ack = await tjs.publish(INTAKE_SUBJECT, encode(request), timeout=10,
+        ack = await tjs.publish(INTAKE_SUBJECT, payload, timeout=10,
                                 headers={"Nats-Msg-Id": f"submit:{job}"})
     except NoRespondersError:
         raise CrawlError("the intake did not answer (no mesh streams for this tenant? "

@@ -195,3 +195,17 @@ def test_tenant_errors(settings: MeshSettings, child_env: dict[str, str],
     assert no_operator.returncode == 1 and "run `crawlmesh init`" in no_operator.stderr
     missing = run(env, "status", "--creds", str(tmp_path / "none.creds"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+    garbage = tmp_path / "garbage.creds"
+    garbage.write_text("hello\n")
+    for creds in (garbage, tmp_path):
+        wrong = run(env, "submit", "--creds", str(creds), "http://127.0.0.1:9/")
+        assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr
+        assert "is not a NATS user creds file" in wrong.stderr or "cannot read" in wrong.stderr
+    mesh = run(env, "submit", "--creds", str(KeyStore(settings.home).mesh_creds),
+               "http://127.0.0.1:9/")
+    assert mesh.returncode == 1 and "not a tenant's creds" in mesh.stderr, mesh.stderr
+    tenant_creds = str(KeyStore(settings.home).tenant_creds("default"))
+    seeds = [f"http://127.0.0.1:9/{'x' * 1100}/{n}" for n in range(1000)]
+    big = run(env, "submit", "--creds", tenant_creds, *seeds)
+    assert big.returncode == 1 and "over the server's limit of 1,048,576 bytes" in big.stderr, \
+        big.stderr
