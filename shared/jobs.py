@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from shared import subjects
+from shared.bus.kvkeys import kv_keys, live_entries
 from shared.codec import decode, encode
 from shared.contracts import JobCounters, JobRecord, JobState
 from shared.streams import JOBS_BUCKET, LEDGER
@@ -104,36 +105,15 @@ class JobStore:
         return False
 
     async def all(self, tenant: str | None = None) -> list[JobRecord]:
-        """Every job record (of ``tenant`` when given), oldest first."""
-        kv = await self._kv()
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return []
-        records = []
-        for key in keys:
-            if tenant and not key.startswith(f"{tenant}."):
-                continue
-            entry = await kv.get(key)
-            records.append(decode(entry.value or b"", JobRecord))
+        """Every job record (of ``tenant`` when given), oldest first (read fresh)."""
+        values = await live_entries(self.js, await self._kv(), JOBS_BUCKET,
+                                    f"{tenant}.*" if tenant else ">")
+        records = [decode(value, JobRecord) for value in values.values()]
         return sorted(records, key=lambda r: r.created_at)
 
     async def running_count(self, tenant: str) -> int:
         """How many jobs of ``tenant`` are running now (read fresh)."""
-        kv = await self._kv()
-        try:
-            keys = await kv.keys(filters=[f"{tenant}.*"])
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return 0
-        running = 0
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-            except KeyNotFoundError:
-                continue
-            if decode(entry.value or b"", JobRecord).state is JobState.RUNNING:
-                running += 1
-        return running
+        return sum(record.state is JobState.RUNNING for record in await self.all(tenant))
 
     async def cancel_all(self, tenant: str, reason: str = "") -> list[str]:
         """Cancel every running job of ``tenant``; the ids of those this call cancelled."""
@@ -148,14 +128,9 @@ class JobStore:
     async def delete_all(self, tenant: str) -> None:
         """Remove every job record of ``tenant`` (tenant removal)."""
         kv = await self._kv()
-        try:
-            keys = await kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return
-        for key in keys:
-            if key.startswith(f"{tenant}."):
-                await kv.purge(key)
-                self._cache.pop(key, None)
+        for key in await kv_keys(self.js, JOBS_BUCKET, f"{tenant}.*"):
+            await kv.purge(key)
+            self._cache.pop(key, None)
 
 
 async def ledger_counts(js: JetStreamContext, tenant: str, job: str) -> JobCounters:

@@ -14,10 +14,11 @@ from datetime import UTC, datetime
 from enum import StrEnum
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.accounts.claims import TenantQuota
+from shared.bus.kvkeys import live_entries
 from shared.streams import TENANTS_BUCKET
 
 DEFAULT_TENANT = "default"
@@ -98,20 +99,9 @@ class TenantRegistry:
         return (await self.get(name_or_id)).id
 
     async def records(self) -> list[TenantRecord]:
-        """Every registered tenant, by name."""
-        kv = await self._kv()
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return []
-        out = []
-        for key in keys:
-            if key.startswith("tenant."):
-                try:
-                    entry = await kv.get(key)
-                except KeyNotFoundError:
-                    continue
-                out.append(TenantRecord.model_validate_json(entry.value or b""))
+        """Every registered tenant, by name (read fresh)."""
+        values = await live_entries(self.js, await self._kv(), TENANTS_BUCKET, "tenant.*")
+        out = [TenantRecord.model_validate_json(value) for value in values.values()]
         return sorted(out, key=lambda record: record.name)
 
     async def all(self) -> dict[str, str]:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import orjson
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from shared.bus.kvkeys import live_entries
 from shared.streams import TENANTS_BUCKET
 from shared.tenancy import TenantRecord, TenantStatus
 
@@ -119,13 +120,10 @@ class TenantGate:
         return None
 
     async def paused_tenants(self) -> list[str]:
-        """Ids of every tenant with a pause key."""
-        kv = await self._kv()
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return []
-        return [key[len(PAUSE_PREFIX):] for key in keys if key.startswith(PAUSE_PREFIX)]
+        """Ids of every tenant with a pause key (read fresh)."""
+        values = await live_entries(self.js, await self._kv(), TENANTS_BUCKET,
+                                    PAUSE_PREFIX + "*")
+        return sorted(key[len(PAUSE_PREFIX):] for key in values)
 
     async def set_pause(self, tenant: str, job: str, reason: str) -> tuple[TenantPause, bool]:
         """Pause the tenant (or keep its pause) and note ``job``; the pause, and True if

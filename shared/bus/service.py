@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 
 from shared.bus.advisories import MaxDeliveriesAdvisory, MaxDeliveriesHandler
 from shared.bus.connection import connect
+from shared.bus.kvkeys import kv_keys
 from shared.bus.loop import ConsumeLoop, Handler
 from shared.contracts.base import Contract
 from shared.settings import MeshSettings
@@ -174,12 +175,8 @@ class TenantSupervisor:
 
     async def tenants(self) -> set[str]:
         """Ids of the registered tenants (keys ``tenant.<id>`` of the ``tenants`` bucket)."""
-        kv = await self.js.key_value(TENANTS_BUCKET)
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return set()
-        return {key.split(".", 1)[1] for key in keys if key.startswith("tenant.")}
+        keys = await kv_keys(self.js, TENANTS_BUCKET, "tenant.*")
+        return {key.split(".", 1)[1] for key in keys}
 
     async def _still_registered(self, tenant: str) -> bool:
         """True unless ``tenant.<id>`` is confirmed absent (deleted or purged)."""

@@ -138,8 +138,12 @@ async def assert_drained_once(js: JetStreamContext, crawl: Crawl,
     results = await crawl.results(settings)
     assert sorted(r.url.removeprefix("https://site.test") for r in results) == sorted(
         ["/", *PAGES])
-    assert await parked_count(js, crawl.tenant) == 0
     assert (await js.stream_info(DLQ.name)).state.messages == 0
+
+    async def parked_acked() -> bool:  # the last parked page is acked after it completes the job
+        return await parked_count(js, crawl.tenant) == 0
+
+    await eventually(parked_acked, "the parked backlog to be acked")
 
     async def resumed() -> bool:
         return await TenantGate(js, ttl_s=0).hold_reason(crawl.tenant) is None
