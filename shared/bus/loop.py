@@ -39,6 +39,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from shared import subjects
+from shared.bus import replays
 from shared.bus.deadletter import DeadLetterPublisher
 from shared.bus.outcomes import TransientError, Verdict, decide
 from shared.codec import decode, encode
@@ -280,6 +281,7 @@ class ConsumeLoop(Generic[M]):
             stream_seq=meta.sequence.stream, tenant=tenant, job=job,
             published_at=meta.timestamp,
         )
+        replays.handling(replays.of(headers))  # this task only: a replay in flight
         started = time.perf_counter()
         with logs.delivery_context(tenant, job), tracing.consuming(
             msg.subject, headers, consumer=self.spec.durable, tenant=tenant, job=job,
@@ -321,7 +323,11 @@ class ConsumeLoop(Generic[M]):
         Retried with exponential backoff (50 ms doubling to
         :data:`BACKPRESSURE_MAX_WAIT_S`) until the stage's consumer makes room; on stop the
         drain cancels the wait and the input is nak'ed for redelivery.
+
+        The outputs of a replayed dead letter carry its replay headers and ``:replay<N>``
+        msg ids (:func:`shared.bus.replays.carry`).
         """
+        outputs = replays.carry(outputs, replays.of(delivery.headers))
         pause = 0.05
         waited = 0.0
         while True:

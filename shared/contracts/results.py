@@ -39,6 +39,11 @@ class PageResult(Contract):
     fetched_at: UtcDatetime | None = None
     extracted: dict[str, str | list[str] | None] = Field(default_factory=dict)
     error: str | None = None
+    replay_of: str | None = Field(
+        None, description=(
+            "Set on the extra result of a dead letter replayed by an operator "
+            "(`crawlmesh dlq replay`): the dead letter's id. The page's first result (often "
+            "`failed`) stays; each replay adds one record."))
 
 
 class JobEventKind(StrEnum):
