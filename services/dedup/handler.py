@@ -19,6 +19,12 @@ seconds and, if the tenant is still held, re-published to its subject under a ne
 ``Nats-Msg-Id`` (``<original id>:held-<stream seq>``) and acked — never nak'd, which would
 count towards ``max_deliver``. Held messages wait outside the ``work_slots`` that bound
 real admission work, so a held tenant does not take every slot from the others.
+
+The outlinks of a page replay (``crawlmesh dlq replay`` of a page that the sink already
+finished as ``failed``: :mod:`shared.bus.replays`) are not followed: the page was already
+counted as finished, so its links cannot join the job's completion accounting (and the job
+may have completed since). They are acked with no output. A replayed ``LINKS`` dead letter
+is admitted as usual.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Protocol
 from services.dedup.admission import Candidate
 from services.dedup.scope import TOO_LONG, JobScope
 from shared import subjects
+from shared.bus import replays
 from shared.bus.loop import Delivery, Outbound
 from shared.bus.outcomes import UnprocessableError
 from shared.contracts import (
@@ -97,6 +104,9 @@ class DedupHandler:
         UnprocessableError: the job does not exist (dead-lettered with that reason).
         """
         tenant, job = message.tenant, message.job_id
+        replay = replays.of(delivery.headers)
+        if replay is not None and replay.page:  # see the module docstring
+            return []
         record = await self.jobs.cached(tenant, job)
         if record is None:
             raise UnprocessableError(f"unknown job {job!r} of tenant {tenant}")

@@ -21,9 +21,10 @@ from services.fetcher.hoststate import KvHostStore
 from services.fetcher.leases import PartitionLeases, new_owner_id
 from services.fetcher.settings import FetcherSettings
 from shared import subjects
+from shared.bus import replays
 from shared.bus.loop import ConsumeLoop, Delivery, Outbound
 from shared.bus.service import LoopSpec
-from shared.contracts import FrontierEntry, JobState
+from shared.contracts import FrontierEntry, JobRecord, JobState
 from shared.jobs import JobStore
 from shared.settings import MeshSettings
 from shared.streams import ROBOTS_BUCKET, fetcher_partition
@@ -200,9 +201,22 @@ HOLD_SLOTS = 64
 fetches for other tenants (fetches stay bounded by ``FetcherSettings.concurrency``)."""
 
 
+def fetchable(record: JobRecord | None) -> bool:
+    """True if an entry of the job of ``record`` is fetched: the job is running, or it has
+    completed and the entry is a page replay being handled (:func:`shared.bus.replays.current`)."""
+    if record is None:
+        return False
+    if record.state is JobState.RUNNING:
+        return True
+    replay = replays.current()
+    return record.state is JobState.COMPLETED and replay is not None and replay.page
+
+
 class RunningJobsOnly:
     """Drops (acks without fetching) frontier entries of jobs that are no longer running:
-    a cancelled job fetches nothing more (its state is read at most 2 s old).
+    a cancelled job fetches nothing more (its state is read at most 2 s old). A page replay
+    (``crawlmesh dlq replay``: :mod:`shared.bus.replays`) is fetched while its job is
+    running or completed, so the tenant gets the page's result after all.
 
     Entries of a held tenant (suspended, or paused because its results are parked:
     :mod:`shared.tenantgate`) are held ``hold_s`` seconds and, if the tenant is still held,
@@ -222,7 +236,7 @@ class RunningJobsOnly:
         """Checked again when the entry's turn has come (after its politeness wait): its
         job may have been cancelled, or its tenant suspended or paused, meanwhile."""
         record = await self.jobs.cached(entry.tenant, entry.job_id)
-        if record is None or record.state is not JobState.RUNNING:
+        if not fetchable(record):
             log.info("dropping %s: job %s is not running", entry.url, entry.job_id)
             return "drop"
         if self.holds is not None and await self.holds.hold_reason(entry.tenant) is not None:
@@ -231,7 +245,7 @@ class RunningJobsOnly:
 
     async def handle(self, message: FrontierEntry, delivery: Delivery) -> list[Outbound]:
         record = await self.jobs.cached(message.tenant, message.job_id)
-        if record is None or record.state is not JobState.RUNNING:
+        if not fetchable(record):
             log.info("dropping %s: job %s is not running", message.url, message.job_id)
             return []
         if self.holds is not None:

@@ -5,6 +5,14 @@ Three inputs: parsed pages (a result each), dedup's expansion reports, and dead 
 (:mod:`services.sink.results`), retried until the tenant has room. Every input advances its page's state
 (``services.sink.pages``); when a page becomes finished its ``finished`` ledger entry is
 published and the job is checked for completion (``services.sink.completion``).
+
+A parsed page of a *page replay* (``crawlmesh dlq replay`` of a page the sink already
+finished as ``failed``: :mod:`shared.bus.replays`) is one additional result, marked
+``replay_of``, stored under ``Nats-Msg-Id`` ``sink:<tenant>:<job>:<fingerprint>:replay<N>``
+(once per replay, whatever the redeliveries) while its job is running or completed, never
+parked (a full tenant is retried, then dead-lettered again). It changes no page state,
+ledger entry or counter and announces nothing; a page replay that dies again is only a
+dead letter again (no second ``failed`` record).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from services.sink.completion import CompletionTracker
 from services.sink.pages import PageEvent, PageRecord, PageState, advance, delivered
 from services.sink.results import Delivered
 from shared import subjects
+from shared.bus import replays
 from shared.bus.loop import Delivery, Outbound
 from shared.codec import DecodeError, decode
 from shared.contracts import (
@@ -23,6 +32,7 @@ from shared.contracts import (
     DiscoveredLinks,
     FetchedPage,
     FrontierEntry,
+    JobState,
     LedgerEntry,
     Outcome,
     PageExpanded,
@@ -188,11 +198,34 @@ class ResultHandler:
         self.ledger = ledger
 
     async def handle(self, message: ParsedPage, delivery: Delivery) -> list[Outbound]:
+        replay = replays.of(delivery.headers)
+        if replay is not None and replay.page:
+            await self.replayed(message, replay)
+            return []
         if not await self.ledger.completion.running(message.tenant, message.job_id):
             return []
         await self.ledger.apply(message.tenant, message.job_id, message.fingerprint,
                                 PageEvent.RESULT, result_of(message), source_of(delivery))
         return []
+
+    async def replayed(self, message: ParsedPage, replay: replays.Replay) -> None:
+        """Store the result of a page replay as one more record (module docstring).
+
+        Raises:
+            TenantFullError: the tenant has no room (retried; never parked).
+            TransientError: no answer from JetStream.
+        """
+        tenant, job, fp = message.tenant, message.job_id, message.fingerprint
+        record = await self.ledger.completion.jobs.cached(tenant, job)
+        if record is None or record.state is JobState.CANCELLED:
+            log.info("replay %s of %s dropped: job %s is %s", replay.of, message.url, job,
+                     "unknown" if record is None else record.state)
+            return
+        result = result_of(message).model_copy(update={"replay_of": replay.of})
+        delivery = await self.ledger.results.write(
+            tenant, job, f"{fp}:replay{replay.generation}", result, park=False)
+        if delivery is Delivered.STORED:
+            metrics.RESULTS_STORED.labels(tenant, str(result.outcome)).inc()
 
 
 class ExpansionHandler:
@@ -249,6 +282,11 @@ class DeadLetterHandler:
     async def handle(self, message: DeadLetter, delivery: Delivery) -> list[Outbound]:
         tenant, job = message.tenant, message.job_id
         if job == subjects.NO_JOB or not await self.ledger.completion.running(tenant, job):
+            return []
+        replay = replays.of(message.headers)
+        if replay is not None and replay.page:  # its page was finished by the first one
+            log.info("dead letter %s is replay %s of %s: nothing more to fail", message.id,
+                     replay.generation, replay.of)
             return []
         try:
             if message.stream in _PAGE_MODELS:
