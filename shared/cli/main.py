@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from shared.cli import jobs, mesh, tenants
+from shared.cli import deadletters, jobs, mesh, tenants
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="crawlmesh: a multi-tenant distributed crawler over NATS JetStream.")
@@ -19,6 +19,7 @@ app.command()(jobs.results)
 app.command()(jobs.status)
 app.command()(jobs.cancel)
 app.add_typer(tenants.app, name="tenant")
+app.add_typer(deadletters.app, name="dlq")
 
 
 @app.command()

@@ -1,0 +1,223 @@
+"""``crawlmesh dlq list|show|replay|purge`` against a real embedded mesh and real dead letters.
+
+A crawl runs with a fault injected in the fetcher for ``/crash`` (every delivery fails, so
+the page is dead-lettered and finished as ``failed``); a payload that is not JSON is
+published on the job's links subject (dead-lettered by dedup at once). Then the mesh is
+restarted without the fault ("the bug is fixed") and the dead letters are listed, shown,
+replayed and purged, checking what the tenant receives: the completed job's results get one
+more record for ``/crash``, marked as a replay, once; its counters and events do not change;
+the replayed page's outlinks are not followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shared import subjects
+from shared.accounts.keystore import KeyStore
+from shared.bus.connection import connect
+from shared.bus.replays import REPLAY_HEADER, REPLAY_OF_HEADER
+from shared.cli.jobs import read_events
+from shared.contracts import JobEvent, JobEventKind
+from shared.streams import EXPANDED, FETCHED, FRONTIER, LINKS, PARSED
+from shared.tenancy import DEFAULT_TENANT, TenantRegistry
+from tests.integration.meshproc import MeshProcess
+from tests.sites import Site, html, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+WORK_STREAMS = (LINKS.name, FRONTIER.name, FETCHED.name, PARSED.name, EXPANDED.name)
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def crawlmesh(mesh: MeshProcess, *args: str, timeout_s: float = 60) -> Run:
+    """Run the real ``crawlmesh`` command with the mesh's environment (stdin: not a TTY)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shared.cli.main", *args], cwd=REPO_ROOT,
+        env={**mesh.env, "COLUMNS": "200"}, capture_output=True, timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
+    return Run(done.returncode, done.stdout.decode(), done.stderr.decode())
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def results_of(mesh: MeshProcess, job: str) -> list[dict]:
+    run = crawlmesh(mesh, "results", job)
+    assert run.returncode == 0, run.stderr
+    return json_lines(run.stdout)
+
+
+def build_site() -> Site:
+    site = Site()
+    site.pages = {
+        "/robots.txt": (404, "text/plain", b""),
+        "/": (200, "text/html", html('<a href="/a">a</a> <a href="/crash">crash</a>', "Home")),
+        "/a": (200, "text/html", html("leaf", "A")),
+        "/crash": (200, "text/html", html('<a href="/from-crash">only here</a>', "Crash")),
+        "/from-crash": (200, "text/html", html("never admitted", "Orphan")),
+    }
+    return site.start()
+
+
+async def mesh_state(mesh: MeshProcess) -> tuple[str, dict[str, int]]:
+    """The default tenant's id and the message count of each work-queue stage stream."""
+    nc = await connect(mesh.settings, "test-dlq", persistent=False)
+    try:
+        js = nc.jetstream()
+        tenant = await TenantRegistry(js).resolve(DEFAULT_TENANT)
+        counts = {name: (await js.stream_info(name)).state.messages for name in WORK_STREAMS}
+        return tenant, counts
+    finally:
+        await nc.close()
+
+
+async def publish(mesh: MeshProcess, subject: str, payload: bytes,
+                  headers: dict[str, str] | None = None) -> None:
+    nc = await connect(mesh.settings, "test-dlq", persistent=False)
+    try:
+        await nc.jetstream().publish(subject, payload, headers=headers)
+    finally:
+        await nc.close()
+
+
+async def events_of(mesh: MeshProcess, job: str) -> list[JobEvent]:
+    """The job's events in the tenant's EVENTS (read as the tenant)."""
+    creds = KeyStore(mesh.home).tenant_creds(DEFAULT_TENANT)
+    tnc = await connect(mesh.settings, "test-dlq-tenant", creds=creds, persistent=False)
+    try:
+        return await read_events(tnc.jetstream(), job)
+    finally:
+        await tnc.close()
+
+
+def settled(mesh: MeshProcess) -> bool:
+    """Nothing left in any work-queue stage stream (every message acked or terminated)."""
+    return not any(asyncio.run(mesh_state(mesh))[1].values())
+
+
+def listed(mesh: MeshProcess, *filters: str) -> list[dict]:
+    run = crawlmesh(mesh, "dlq", "list", "--json", *filters)
+    assert run.returncode == 0, run.stderr
+    return json_lines(run.stdout)
+
+
+def test_dead_letters_listed_shown_replayed_and_purged(tmp_path: Path) -> None:
+    site = build_site()
+    home = tmp_path / "home"
+    mesh = MeshProcess(home, env={"CRAWLMESH_FAULT_INJECT": 'fetcher:/crash"'}).start()
+    try:
+        run = crawlmesh(mesh, "crawl", "--wait", site.url("/"), timeout_s=120)
+        assert run.returncode == 0, run.stderr
+        job = run.stdout.split()[-1]
+        tenant, _ = asyncio.run(mesh_state(mesh))
+        asyncio.run(publish(mesh, subjects.links(tenant, job), b"not json"))
+        wait_for(lambda: len(listed(mesh)) == 2 and all(d["recorded"] for d in listed(mesh)),
+                 30, "two dead letters recorded by the sink")
+        before = results_of(mesh, job)
+        status_before = json.loads(crawlmesh(mesh, "status", job).stdout)
+    finally:
+        assert mesh.stop() == 0, mesh.log("launcher")
+    assert "/crash" not in site.requests  # the fetcher died on it every time
+    assert sorted(r["url"].removeprefix(site.base) for r in before) == ["/", "/a", "/crash"]
+    failed = next(r for r in before if r["url"].endswith("/crash"))
+    assert failed["outcome"] == "failed" and "injected fault" in failed["error"]
+    assert status_before["state"] == "completed" and status_before["failed"] == 1
+
+    mesh = MeshProcess(home).start()  # the fault is gone: a fixed deployment
+    try:
+        # list: one line per dead letter, filters combine
+        run = crawlmesh(mesh, "dlq", "list")
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.splitlines()
+        assert len(lines) == 2 and "2 dead letters" in run.stderr
+        assert lines[0].startswith("FRONTIER:") and "stage=fetcher" in lines[0]
+        assert f"tenant={DEFAULT_TENANT} job={job} deliveries=3" in lines[0]
+        assert "injected fault" in lines[0]
+        assert lines[1].startswith("LINKS:") and "stage=dedup" in lines[1]
+        (page,) = listed(mesh, "--stage", "fetcher")
+        (links,) = listed(mesh, "--stage", "dedup", "--tenant", DEFAULT_TENANT, "--job", job)
+        assert page["tenant"] == tenant and page["tenant_name"] == DEFAULT_TENANT
+        assert page["job_id"] == job and page["delivery_count"] == 3
+        assert links["reason"].startswith("invalid JSON") and links["delivery_count"] == 1
+        assert listed(mesh, "--stage", "fetcher", "--job", "-") == []
+        assert listed(mesh, "--stage", "parser") == []
+        run = crawlmesh(mesh, "dlq", "list", "--tenant", "nosuch")
+        assert run.returncode == 1 and "unknown tenant 'nosuch'" in run.stderr
+
+        # show: the whole dead letter, the original decoded
+        run = crawlmesh(mesh, "dlq", "show", page["id"])
+        assert run.returncode == 0, run.stderr
+        shown = json.loads(run.stdout)
+        assert shown["original_encoding"] == "json"
+        assert shown["original"]["url"] == site.url("/crash")
+        assert shown["headers"]["Nats-Msg-Id"].startswith(f"dedup:{tenant}:{job}:")
+        assert "injected fault" in shown["reason"] and shown["subject"].startswith("mesh.frontier.")
+        run = crawlmesh(mesh, "dlq", "show", links["id"])
+        assert json.loads(run.stdout)["original"] == "not json"
+        run = crawlmesh(mesh, "dlq", "show", "FRONTIER:999999")
+        assert run.returncode == 1 and "no dead letter FRONTIER:999999" in run.stderr
+
+        # replay --dry-run: says what it would do, does nothing
+        run = crawlmesh(mesh, "dlq", "replay", "--dry-run")
+        assert run.returncode == 1  # the links of a completed job are refused
+        assert f"would replay {page['id']} to {page['subject']} as " in run.stdout
+        assert f"refused {links['id']}: job {job} is completed: dedup admits links only" \
+            in run.stdout
+        assert len(listed(mesh)) == 2 and "/crash" not in site.requests
+
+        # replay the page: one more result for /crash, marked; nothing else changes
+        run = crawlmesh(mesh, "dlq", "replay", "--id", page["id"])
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.startswith(f"replayed {page['id']} to {page['subject']} as ")
+        assert f":replay{page['dlq_seq']} (FRONTIER seq " in run.stdout
+        wait_for(lambda: len(results_of(mesh, job)) == 4, 60, "the replayed page's result")
+        wait_for(lambda: settled(mesh), 30, "the mesh to settle")
+        # a redelivery of the replayed message (same replay generation) adds nothing
+        original = json.dumps(shown["original"]).encode()
+        asyncio.run(publish(mesh, page["subject"], original, {
+            "Nats-Msg-Id": f"redelivered-{page['id']}", REPLAY_HEADER: str(page["dlq_seq"]),
+            REPLAY_OF_HEADER: page["id"]}))
+        wait_for(lambda: site.requests.count("/crash") == 2, 30, "the second fetch")
+        wait_for(lambda: settled(mesh), 30, "the mesh to settle")
+        after = results_of(mesh, job)
+        assert len(after) == 4 and after[:3] == before
+        replayed = after[3]
+        assert replayed["url"] == site.url("/crash") and replayed["outcome"] == "ok"
+        assert replayed["title"] == "Crash" and replayed["replay_of"] == page["id"]
+        assert "/from-crash" not in site.requests  # a replayed page's links are not followed
+        status_after = json.loads(crawlmesh(mesh, "status", job).stdout)
+        assert status_after == status_before
+        kinds = [e.kind for e in asyncio.run(events_of(mesh, job))]
+        assert kinds.count(JobEventKind.COMPLETED) == 1, kinds
+        assert [d["id"] for d in listed(mesh)] == [links["id"]]  # deleted once acked
+        run = crawlmesh(mesh, "dlq", "replay", "--id", page["id"])
+        assert run.returncode == 1 and f"no dead letter {page['id']}" in run.stderr
+
+        # purge: never without confirmation; --yes deletes
+        run = crawlmesh(mesh, "dlq", "purge", "--stage", "dedup")
+        assert run.returncode == 1 and "without --yes" in run.stderr
+        assert len(listed(mesh)) == 1
+        run = crawlmesh(mesh, "dlq", "purge", "--stage", "dedup", "--yes")
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == f"purged {links['id']}"
+        assert listed(mesh) == []
+    finally:
+        assert mesh.stop() == 0, mesh.log("launcher")
+        site.stop()
