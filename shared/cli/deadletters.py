@@ -26,8 +26,8 @@ of :mod:`shared.bus.replays`. Once the PubAck comes, the dead letter is deleted 
 * an expansion report (``EXPANDED``) is refused: the sink applied it when it recorded the
   dead letter, so a replay could change nothing. Dead letters of other streams are refused.
 
-A dead letter the sink has not recorded yet (its ``failed`` record, beyond the ack floor
-of consumer ``sink-dlq``) is neither replayed nor purged: wait a moment. **Purge** deletes
+A dead letter the sink has not recorded yet (its ``failed`` record: see
+:func:`recorded_up_to`) is neither replayed nor purged: wait a moment. **Purge** deletes
 the selected dead letters after a confirmation (``--yes`` skips it; without a terminal it
 is required).
 """
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ DROPPED_HEADERS = ("Nats-Msg-Id", REPLAY_HEADER, REPLAY_OF_HEADER)
 @dataclass(frozen=True, slots=True)
 class StoredLetter:
     """A dead letter and where it is stored: its ``DLQ`` sequence and whether the sink has
-    recorded it (``recorded``: at or below the ack floor of ``sink-dlq``)."""
+    recorded it (``recorded``: see :func:`recorded_up_to`)."""
 
     dlq_seq: int
     letter: DeadLetter
@@ -178,14 +179,22 @@ def replay_headers(stored: StoredLetter) -> dict[str, str]:
 # ---- reading the DLQ ------------------------------------------------------------------------
 
 
-async def _recorded_floor(js: JetStreamContext) -> int | None:
-    """The ``DLQ`` sequence up to which the sink has recorded every dead letter (None: no
-    sink consumer, so nothing waits for it)."""
+async def recorded_up_to(js: JetStreamContext) -> int | None:
+    """The ``DLQ`` sequence up to which the sink has recorded (or given up on) every dead
+    letter; None: no sink consumer, so nothing waits for it.
+
+    The ack floor of ``sink-dlq``, or, while that consumer has nothing in flight, the last
+    sequence it was delivered: nats-server (2.15) leaves the ack floor behind a message
+    that exhausted its deliveries, so the floor alone could hold every later one back.
+    """
     try:
         info = await js.consumer_info(DLQ.name, SINK_DLQ.durable)
     except NotFoundError:
         return None
-    return info.ack_floor.stream_seq if info.ack_floor else 0
+    floor = info.ack_floor.stream_seq if info.ack_floor else 0
+    if not info.num_ack_pending and info.delivered is not None:
+        floor = max(floor, info.delivered.stream_seq)
+    return floor
 
 
 async def read_letters(js: JetStreamContext, selection: Selection) -> list[StoredLetter]:
@@ -196,11 +205,10 @@ async def read_letters(js: JetStreamContext, selection: Selection) -> list[Store
             return []
     except NotFoundError:
         raise CrawlError("no DLQ stream: run `crawlmesh init`") from None
-    floor = await _recorded_floor(js)
-    sub = await js.pull_subscribe(
-        selection.subject(), stream=DLQ.name,
-        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-                              inactive_threshold=30.0, mem_storage=True))
+    floor = await recorded_up_to(js)
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                            inactive_threshold=30.0, mem_storage=True)
+    sub = await js.pull_subscribe(selection.subject(), stream=DLQ.name, config=config)
     out: list[StoredLetter] = []
     try:
         left = (await sub.consumer_info()).num_pending or 0
@@ -217,6 +225,9 @@ async def read_letters(js: JetStreamContext, selection: Selection) -> list[Store
                     out.append(StoredLetter(seq, letter, floor is None or seq <= floor))
     finally:
         await sub.unsubscribe()
+        if config.name:
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(DLQ.name, config.name)
     return out
 
 
