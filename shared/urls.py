@@ -3,16 +3,24 @@
 Canonicalisation is w3lib's ``canonicalize_url`` (query arguments sorted, percent-encoding
 normalised, fragment dropped), plus a lower-cased scheme and host and the default port
 removed (WHATWG URL §4.4: the default port of a special scheme is serialised as null).
+
+The canonical form must itself be a usable URL with a host: one whose host is not ASCII
+after IDNA (w3lib keeps a host IDNA refuses as it was) or holds a forbidden domain code
+point (WHATWG URL §3.2: C0 controls, space, ``#%/:<>?@[\\]^|``, DEL) is refused, as is one
+whose host vanishes in canonicalisation (``http://\\`` becomes ``http:////``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from urllib.parse import urlsplit, urlunsplit
 
 from w3lib.url import canonicalize_url
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+_FORBIDDEN_DOMAIN = re.compile(r"[\x00-\x20#%/:<>?@\[\\\]^|\x7f]")
+"""WHATWG URL §3.2 forbidden domain code points, looked for in host names (not IPv6 literals)."""
 
 
 class UrlError(ValueError):
@@ -38,7 +46,13 @@ def canonical_url(url: str) -> str:
         if parts.username or parts.password:
             raise UrlError(f"URL with credentials refused: {url!r}")
         rebuilt = urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
-        return canonicalize_url(rebuilt, keep_fragments=False)
+        canonical = canonicalize_url(rebuilt, keep_fragments=False)
+        final = urlsplit(canonical)
+        name = final.hostname or ""
+        literal = final.netloc.startswith("[")
+        if not name or not canonical.isascii() or (not literal and _FORBIDDEN_DOMAIN.search(name)):
+            raise UrlError(f"invalid host in URL {url!r}")
+        return canonical
     except UrlError:
         raise
     except (ValueError, UnicodeError) as error:
