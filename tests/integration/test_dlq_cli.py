@@ -15,20 +15,31 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 from shared import subjects
 from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
-from shared.bus.replays import REPLAY_HEADER, REPLAY_OF_HEADER
+from shared.bus.loop import Delivery
+from shared.bus.replays import REPLAY_HEADER, REPLAY_OF_HEADER, Replay
 from shared.cli.jobs import read_events
-from shared.contracts import JobEvent, JobEventKind
+from shared.codec import encode
+from shared.contracts import DeadLetter, JobEvent, JobEventKind, JobState, Outcome, ParsedPage
+from shared.jobs import ledger_counts
+from shared.settings import MeshSettings
 from shared.streams import EXPANDED, FETCHED, FRONTIER, LINKS, PARSED
+from shared.subjects import Stage
 from shared.tenancy import DEFAULT_TENANT, TenantRegistry
+from tests.conftest import tenant_js
 from tests.integration.meshproc import MeshProcess
+from tests.integration.test_sink import SITE, Crawl, Sink, delivery, fp, sink
 from tests.sites import Site, html, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -221,3 +232,93 @@ def test_dead_letters_listed_shown_replayed_and_purged(tmp_path: Path) -> None:
     finally:
         assert mesh.stop() == 0, mesh.log("launcher")
         site.stop()
+
+
+# ---- the sink's side of a page replay, with its real handlers (real NATS, tenant account) ----
+
+
+@pytest.fixture
+async def tjs(settings: MeshSettings, tenant: str) -> AsyncIterator[JetStreamContext]:
+    """JetStream inside the tenant's own account."""
+    async with tenant_js(settings, "test") as tjs_:
+        yield tjs_
+
+
+@pytest.fixture
+async def crawl(js: JetStreamContext, tenant: str, job: str, tjs: JetStreamContext) -> Crawl:
+    job_crawl = Crawl(js, tenant, job, tjs)
+    await job_crawl.start()
+    return job_crawl
+
+
+@pytest.fixture
+async def handlers(nc: Client, settings: MeshSettings) -> Sink:
+    return await sink(nc, settings)
+
+
+def dead_page(crawl: Crawl, path: str, headers: dict[str, str] | None = None) -> DeadLetter:
+    page = ParsedPage(tenant=crawl.tenant, job_id=crawl.job, url=SITE + path,
+                      final_url=SITE + path, fingerprint=fp(path), depth=0, status=200,
+                      content_type="text/html", fetched_at=datetime.now(UTC))
+    return DeadLetter(id="PARSED:7", tenant=crawl.tenant, job_id=crawl.job, stage="sink",
+                      reason="RuntimeError: boom", delivery_count=3,
+                      subject=subjects.parsed(crawl.tenant, crawl.job), stream="PARSED",
+                      stream_seq=7, headers=headers or {}, original=encode(page))
+
+
+def replayed(crawl: Crawl, generation: int, of: str, delivered: int = 1) -> Delivery:
+    return Delivery(subject=subjects.parsed(crawl.tenant, crawl.job),
+                    headers=Replay(generation, of).headers(), delivered=delivered,
+                    stream_seq=100 + generation, tenant=crawl.tenant, job=crawl.job)
+
+
+async def test_a_page_replay_of_a_completed_job_is_one_more_result_once_per_replay(
+    crawl: Crawl, handlers: Sink, settings: MeshSettings,
+) -> None:
+    await crawl.expanded(handlers, await crawl.admit(None, "/"))
+    letter = dead_page(crawl, "/")
+    await handlers.dead_letters.handle(letter, delivery(
+        subjects.dlq(Stage.SINK, crawl.tenant, crawl.job), crawl.tenant, crawl.job))
+    (completed,) = await crawl.completions(settings)
+    assert (await crawl.record()).state is JobState.COMPLETED
+    counts = await ledger_counts(crawl.js, crawl.tenant, crawl.job)
+
+    page = crawl.parsed("/", depth=0)
+    for delivered in (1, 2, 3):  # the replayed message, redelivered
+        await handlers.results.handle(page, replayed(crawl, 42, letter.id, delivered))
+    results = await crawl.results(settings)
+    assert [(r.outcome, r.replay_of) for r in results] == [
+        (Outcome.FAILED, None), (Outcome.OK, "PARSED:7")]
+    assert results[1].title == "title of /"
+    await handlers.results.handle(page, replayed(crawl, 43, "PARSED:9"))  # another replay
+    assert [r.replay_of for r in await crawl.results(settings)] == [None, "PARSED:7", "PARSED:9"]
+    assert await crawl.completions(settings) == [completed]
+    assert await ledger_counts(crawl.js, crawl.tenant, crawl.job) == counts
+    assert (await crawl.record()).counters == completed.counters
+
+
+async def test_a_page_replay_that_dies_again_fails_nothing_more(
+    crawl: Crawl, handlers: Sink, settings: MeshSettings,
+) -> None:
+    await crawl.expanded(handlers, await crawl.admit(None, "/", "/b"))
+    dlq = delivery(subjects.dlq(Stage.SINK, crawl.tenant, crawl.job), crawl.tenant, crawl.job)
+    await handlers.dead_letters.handle(dead_page(crawl, "/"), dlq)
+    again = dead_page(crawl, "/", Replay(12, "PARSED:7").headers())
+    await handlers.dead_letters.handle(again.model_copy(update={"id": "PARSED:30"}), dlq)
+    assert [r.outcome for r in await crawl.results(settings)] == [Outcome.FAILED]
+    counts = await ledger_counts(crawl.js, crawl.tenant, crawl.job)
+    assert (counts.admitted, counts.finished, counts.failed) == (2, 1, 1)
+    await crawl.result(handlers, "/b")
+    await crawl.expanded(handlers, await crawl.admit("/b"))
+    (completed,) = await crawl.completions(settings)
+    assert completed.counters.finished == 2 and completed.counters.failed == 1
+
+
+async def test_a_page_replay_of_a_cancelled_job_is_dropped(
+    js: JetStreamContext, tenant: str, handlers: Sink, settings: MeshSettings,
+    tjs: JetStreamContext,
+) -> None:
+    cancelled = Crawl(js, tenant, subjects.new_job_id(), tjs)
+    await cancelled.start(JobState.CANCELLED)
+    await handlers.results.handle(cancelled.parsed("/"), replayed(cancelled, 5, "PARSED:1"))
+    assert await cancelled.results(settings) == []
