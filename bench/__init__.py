@@ -1,0 +1,1 @@
+"""Benchmarks of crawlmesh against Scrapy and a bare asyncio loop (see docs/benchmarks.md)."""
