@@ -27,7 +27,8 @@ class TooManyKeysError(RuntimeError):
 
 async def kv_keys(js: JetStreamContext, bucket: str, pattern: str = ">") -> list[str]:
     """Keys of ``bucket`` matching the subject-style ``pattern`` (``*`` one token, ``>`` the
-    rest), sorted; may include keys whose last entry is a delete marker.
+    rest), sorted. Includes keys whose last entry is a delete or purge marker: use
+    :func:`live_entries` when removed keys must be left out.
 
     Raises:
         TooManyKeysError: more than :data:`MAX_SUBJECT_DETAILS` keys match (narrow it).

@@ -31,7 +31,7 @@ from nats.js.errors import KeyNotFoundError
 
 from shared.bus.advisories import MaxDeliveriesAdvisory, MaxDeliveriesHandler
 from shared.bus.connection import connect
-from shared.bus.kvkeys import kv_keys
+from shared.bus.kvkeys import live_entries
 from shared.bus.loop import ConsumeLoop, Handler
 from shared.contracts.base import Contract
 from shared.settings import MeshSettings
@@ -175,8 +175,9 @@ class TenantSupervisor:
 
     async def tenants(self) -> set[str]:
         """Ids of the registered tenants (keys ``tenant.<id>`` of the ``tenants`` bucket)."""
-        keys = await kv_keys(self.js, TENANTS_BUCKET, "tenant.*")
-        return {key.split(".", 1)[1] for key in keys}
+        kv = await self.js.key_value(TENANTS_BUCKET)
+        live = await live_entries(self.js, kv, TENANTS_BUCKET, "tenant.*")  # removed: purged
+        return {key.split(".", 1)[1] for key in live}
 
     async def _still_registered(self, tenant: str) -> bool:
         """True unless ``tenant.<id>`` is confirmed absent (deleted or purged)."""
