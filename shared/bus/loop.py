@@ -324,8 +324,8 @@ class ConsumeLoop(Generic[M]):
         :data:`BACKPRESSURE_MAX_WAIT_S`) until the stage's consumer makes room; on stop the
         drain cancels the wait and the input is nak'ed for redelivery.
 
-        The outputs of a replayed dead letter carry its replay headers and ``:replay<N>``
-        msg ids (:func:`shared.bus.replays.carry`).
+        The outputs of a page replay (``crawlmesh dlq replay``) carry its replay headers and
+        ``:replay<N>`` msg ids (:func:`shared.bus.replays.carry`).
         """
         outputs = replays.carry(outputs, replays.of(delivery.headers))
         pause = 0.05

@@ -11,18 +11,23 @@ is one DLQ message), so a replay is never swallowed by a duplicate window, while
 the same dead letter twice (an operator re-running a replay that crashed before removing
 the dead letter) is de-duplicated by JetStream.
 
-The consume loop (:mod:`shared.bus.loop`) carries both headers from an input to every
-output and suffixes each output's ``Nats-Msg-Id`` with ``:replay<N>`` (:func:`carry`): a
-replay's outputs never collide with the original's, and a redelivery of a replayed message
-still produces the same ids. While a replayed message is handled, :func:`current` returns
-its :class:`Replay` (a context variable, for code that sees no delivery).
+While a replayed message is handled, :func:`current` returns its :class:`Replay` (a
+context variable, for code that sees no delivery).
 
 A *page replay* (:attr:`Replay.page`: the dead letter came from ``FRONTIER``, ``FETCHED``
 or ``PARSED``) re-processes a page that the sink already finished as ``failed``. It
 delivers one additional result, marked ``replay_of``, and nothing else: the fetcher
 fetches it even if its job has completed since (not if it was cancelled), dedup does not
 follow its outlinks, and the sink neither changes its page state nor its job's counters
-(:mod:`services.sink.handler`).
+(:mod:`services.sink.handler`). The consume loop (:mod:`shared.bus.loop`) carries a page
+replay's two headers from an input to every output and suffixes each output's
+``Nats-Msg-Id`` with ``:replay<N>`` (:func:`carry`), so the stages after it know, a replay's
+outputs never collide with earlier outputs for the same page, and a redelivery of a
+replayed message still produces the same ids.
+
+Other replays (links, a seed submission, a parked result) are ordinary inputs of their
+stage: their outputs keep their ids, which are per job and page (admissions, ledger
+entries, events), so whatever the original had already done is de-duplicated as usual.
 """
 
 from __future__ import annotations
@@ -87,9 +92,10 @@ def replay_msg_id(msg_id: str, generation: int) -> str:
 
 
 def carry(outputs: Sequence[Outbound], replay: Replay | None) -> list[Outbound]:
-    """``outputs`` with ``replay``'s headers and ``:replay<N>`` msg ids (unchanged if None);
-    plain NATS replies (``core``) get the headers only."""
-    if replay is None:
+    """``outputs`` with a page replay's headers and ``:replay<N>`` msg ids (unchanged if
+    ``replay`` is None or not a page replay); plain NATS replies (``core``) get the headers
+    only."""
+    if replay is None or not replay.page:
         return list(outputs)
     marks = replay.headers()
     return [replace(out, headers={**out.headers, **marks},

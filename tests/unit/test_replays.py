@@ -69,6 +69,7 @@ def test_carry_marks_every_output_and_suffixes_its_id() -> None:
     outputs = [Outbound("mesh.a", entry, "id-a", headers={"x": "1"}),
                Outbound("_INBOX.r", entry, "", core=True)]
     assert carry(outputs, None) == outputs
+    assert carry(outputs, Replay(5, "LINKS:2")) == outputs  # not a page: an ordinary input
     marked = carry(outputs, Replay(5, "FETCHED:2"))
     assert [o.msg_id for o in marked] == ["id-a:replay5", ""]
     assert marked[0].headers == {"x": "1", REPLAY_HEADER: "5", REPLAY_OF_HEADER: "FETCHED:2"}
