@@ -35,8 +35,8 @@ Reproduce (the corpus server first)::
     . .venv/bin/activate && PYTHONPATH=. python bench/run.py --runs 3
 
 ``--quick`` (or ``--max-pages N``) makes a small smoke run; ``--only`` picks crawlers;
-``--profile DIR`` records each crawlmesh service with py-spy during the crawl (an extra,
-uncounted run; see ``bench/profile_summary.py``).
+``--profile DIR`` adds one more crawlmesh run, not counted, during which py-spy records
+every service process (see ``bench/profile_summary.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,10 @@ from bench.meter import TreeMeter, cpu_between, rss_peaks, wait_for
 from shared import subjects
 from shared.cli.jobs import open_session, results_subject, submit, wait_for_job
 from shared.contracts import CrawlRequest, ExtractionRule, JobEventKind, Scope, ScopeMode
+from shared.launcher import SERVICES
 from shared.settings import MeshSettings
 from shared.streams import RESULTS
+from shared.urls import UrlError, canonical_url
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -113,9 +116,36 @@ def seeds() -> list[str]:
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports that are all free now."""
+    for _ in range(100):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def ready(url: str) -> bool:
+    """True if ``url`` answers 200 (a service's ``/readyz``)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
 
 
 # ---- Scrapy and the bare loop: one child process each --------------------------------------
@@ -153,7 +183,7 @@ def run_child(crawler: str, seed_urls: list[str], max_pages: int, workdir: Path)
 # ---- crawlmesh: the embedded mesh, one job ---------------------------------------------------
 
 
-def mesh_env(home: Path, nats_url: str) -> dict[str, str]:
+def mesh_env(home: Path, nats_url: str, metrics_base_port: int) -> dict[str, str]:
     """The environment of ``crawlmesh up``: a fresh home, free ports, corpus politeness,
     tracing on without an exporter."""
     env = {k: v for k, v in os.environ.items()
@@ -161,7 +191,8 @@ def mesh_env(home: Path, nats_url: str) -> dict[str, str]:
     env.update({
         "CRAWLMESH_HOME": str(home),
         "CRAWLMESH_NATS_URL": nats_url,
-        "CRAWLMESH_METRICS_BASE_PORT": "0",  # other meshes on this machine use 9460..
+        # free ports (other meshes on this machine use 9460..); /readyz tells when it is up
+        "CRAWLMESH_METRICS_BASE_PORT": str(metrics_base_port),
         "CRAWLMESH_FETCHER_HOST_DELAYS": HOST_DELAYS,
         "PYTHONPATH": str(REPO),
     })
@@ -242,9 +273,10 @@ async def crawl_mesh(settings: MeshSettings, seed_urls: list[str], max_pages: in
 
 
 def start_mesh(home: Path) -> tuple[subprocess.Popen[bytes], MeshSettings, float]:
-    """``crawlmesh up`` in ``home``; returns it, its settings and how long it took to start."""
+    """``crawlmesh up`` in ``home``, every service ready (``/readyz``); returns it, its
+    settings and how long it took to start."""
     nats_url = f"nats://127.0.0.1:{free_port()}"
-    env = mesh_env(home, nats_url)
+    env = mesh_env(home, nats_url, free_port_run(len(SERVICES)))
     started = time.monotonic()
     with (home.parent / "launcher.log").open("wb") as log:
         launcher = subprocess.Popen([sys.executable, "-m", "shared.cli.main", "up"], env=env,
@@ -257,6 +289,9 @@ def start_mesh(home: Path) -> tuple[subprocess.Popen[bytes], MeshSettings, float
         return (home / "mesh.json").exists()
 
     wait_for(up, 120, "crawlmesh up did not start")
+    endpoints = json.loads((home / "mesh.json").read_text())["metrics"]
+    for name, url in endpoints.items():
+        wait_for(lambda url=url: ready(f"{url}/readyz"), 120, f"{name} was not ready")
     settings = MeshSettings(home=home, nats_url=nats_url)
     return launcher, settings, time.monotonic() - started
 
@@ -405,15 +440,25 @@ def per_process_table(results: dict[str, list[RunResult]]) -> str:
     return "\n".join(lines)
 
 
+def canonical_set(urls: list[str]) -> set[str]:
+    """The canonical forms (:func:`shared.urls.canonical_url`: fragment dropped) of ``urls``;
+    Scrapy requests keep the fragment of the link they came from."""
+    out: set[str] = set()
+    for url in urls:
+        with contextlib.suppress(UrlError):
+            out.add(canonical_url(url))
+    return out
+
+
 def check_pages(results: dict[str, list[RunResult]]) -> list[str]:
     """Every page exactly once: crawlmesh's result URLs unique and equal to Scrapy's set."""
     notes: list[str] = []
-    reference = set(results["scrapy"][0].urls) if results.get("scrapy") else None
+    reference = canonical_set(results["scrapy"][0].urls) if results.get("scrapy") else None
     for index, run in enumerate(results.get("crawlmesh") or [], 1):
         duplicates = len(run.urls) - run.unique_urls
         note = f"crawlmesh run {index}: {len(run.urls)} results, {duplicates} duplicate URLs"
         if reference is not None:
-            mine = set(run.urls)
+            mine = canonical_set(run.urls)
             only_mesh, only_scrapy = sorted(mine - reference), sorted(reference - mine)
             note += (f"; {len(only_mesh)} URLs only crawlmesh has {only_mesh[:5]}, "
                      f"{len(only_scrapy)} only Scrapy has {only_scrapy[:5]}")
@@ -460,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                 folder = work / f"{crawler}-{index}"
                 folder.mkdir()
                 if crawler == "crawlmesh":
-                    run = run_mesh(seed_urls, args.max_pages, folder,
-                                   args.profile if index == 0 else None)
+                    run = run_mesh(seed_urls, args.max_pages, folder)
                 else:
                     run = run_child(crawler, seed_urls, args.max_pages, folder)
                 results[crawler].append(run)
@@ -473,6 +517,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"{run.extra['restarts']}, CPU s by process "
                          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(run.cpu_by_process.items()))
                          if crawler == "crawlmesh" else ""), flush=True)
+        if args.profile is not None:  # an extra run, not counted: py-spy costs CPU
+            folder = work / "profiled"
+            folder.mkdir()
+            run = run_mesh(seed_urls, args.max_pages, folder, args.profile)
+            print(f"profiled crawlmesh run (not counted): {run.pages} pages in {run.wall_s:.1f} s; "
+                  f"py-spy output in {args.profile}", flush=True)
     finally:
         if args.keep:
             print(f"work folder: {work}")
