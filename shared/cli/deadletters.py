@@ -279,8 +279,15 @@ async def select(ctx: Context, stage: Stage | None, tenant: str | None, job: str
     found = await read_letters(ctx.js, selection)
     missing = selection.ids - {s.letter.id for s in found}
     if missing:
-        raise CrawlError(f"no dead letter {', '.join(sorted(missing))} (matching the filters)")
+        filtered = " matching the filters" if (stage or tenant or job) else ""
+        raise CrawlError(f"no dead letter {', '.join(sorted(missing))}{filtered} in {DLQ.name} "
+                         "(replayed and purged ones are deleted)")
     return found
+
+
+def letters(count: int) -> str:
+    """``1 dead letter``, ``2 dead letters``."""
+    return f"{count} dead letter{'' if count == 1 else 's'}"
 
 
 def summary(ctx: Context, stored: StoredLetter) -> dict[str, Any]:
@@ -330,8 +337,7 @@ def list_(
                        else line(ctx, stored))
         return len(found)
 
-    count = run(work)
-    console.print(f"{count} dead letter{'' if count == 1 else 's'}")
+    console.print(letters(run(work)))
 
 
 @app.command()
@@ -341,7 +347,7 @@ def show(dead_letter_id: str = typer.Argument(..., metavar="ID",
     JSON when it is JSON)."""
 
     async def work(ctx: Context) -> dict[str, Any]:
-        (stored,) = await select(ctx, None, None, None, [dead_letter_id])
+        stored = (await select(ctx, None, None, None, [dead_letter_id]))[-1]
         encoding, original = decode_original(stored.letter.original)
         return {**summary(ctx, stored), "headers": stored.letter.headers,
                 "original_bytes": len(stored.letter.original),
@@ -422,9 +428,9 @@ def purge(
             return 0
         if not yes:
             if not sys.stdin.isatty():
-                raise CrawlError(f"not purging {len(chosen)} dead letters without --yes "
+                raise CrawlError(f"not purging {letters(len(chosen))} without --yes "
                                  "(stdin is not a terminal to confirm)")
-            if not typer.confirm(f"Delete {len(chosen)} dead letters for good?"):
+            if not typer.confirm(f"Delete {letters(len(chosen))} for good?"):
                 raise CrawlError("nothing purged")
         for stored in chosen:
             try:
@@ -434,5 +440,4 @@ def purge(
             typer.echo(f"purged {stored.letter.id}")
         return len(chosen)
 
-    count = run(work)
-    console.print(f"{count} dead letter{'' if count == 1 else 's'} purged")
+    console.print(f"{letters(run(work))} purged")
