@@ -42,7 +42,7 @@ from nats.aio.client import Client
 
 from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
-from shared.cli.jobs import read_events, submit
+from shared.cli.jobs import job_ended, read_events, submit
 from shared.contracts import CrawlRequest, JobEventKind, Scope, ScopeMode
 from shared.launcher import running_mesh
 from shared.settings import MeshSettings
@@ -166,18 +166,15 @@ async def crawl(settings: MeshSettings, site: GeneratedSite, sampler: RssSampler
         names: list[str] = []
         print(f"job {job} submitted; window {window_s:.0f} s")
         last_count, last_t, windows = 0, started, []
-        done = None
+        ended = timed_out = False
         next_window = started + window_s
-        while done is None:
+        while not (ended or timed_out):
             await asyncio.sleep(1.0)
             sampler.sample()
             now = time.monotonic()
-            ended = [e for e in await read_events(nc.jetstream(), job)
-                     if e.kind in (JobEventKind.COMPLETED, JobEventKind.CANCELLED)]
-            if now < next_window and not ended:
-                if now - started > timeout_s:
-                    print(f"TIMEOUT after {timeout_s:.0f} s")
-                    return 1
+            ended = await job_ended(nc.jetstream(), job)
+            timed_out = now - started > timeout_s
+            if now < next_window and not (ended or timed_out):
                 continue
             count = await results_count(nc, job)
             rate = (count - last_count) / (now - last_t)
@@ -189,20 +186,20 @@ async def crawl(settings: MeshSettings, site: GeneratedSite, sampler: RssSampler
             print(f"{now - started:6.0f} {count:8d} {rate:8.1f}           "
                   + " ".join(f"{mib(sampler.last.get(n, 0)):>8}" for n in names), flush=True)
             last_count, last_t, next_window = count, now, now + window_s
-            if ended:
-                done = ended[0]
         wall = time.monotonic() - started
         count = await results_count(nc, job)
-        print(f"\n{done.kind.value}: {count} results, counters {done.counters.model_dump()}, "
-              f"wall {wall:.1f} s, {count / wall:.1f} pages/s overall; site served "
-              f"{site.served} page requests")
+        done = (await read_events(nc.jetstream(), job))[-1] if ended else None
+        outcome = f"{done.kind.value}, counters {done.counters.model_dump()}" if done else \
+            f"TIMEOUT after {timeout_s:.0f} s (figures so far)"
+        print(f"\n{outcome}: {count} results, wall {wall:.1f} s, {count / wall:.1f} pages/s "
+              f"overall; site served {site.served} page requests")
         full = windows[1:-1] or windows  # first and last windows are partial ramps
         print(f"pages/s per full window: min {min(full):.1f}, max {max(full):.1f}, "
               f"first {full[0]:.1f}, last {full[-1]:.1f}")
         print("peak RSS per process, MiB:")
         for name in sorted(sampler.peak):
             print(f"  {name:<12} {mib(sampler.peak[name])}")
-        ok = done.kind is JobEventKind.COMPLETED and count == site.pages
+        ok = done is not None and done.kind is JobEventKind.COMPLETED and count == site.pages
         print("OK" if ok else f"FAILED: {count} results for {site.pages} pages")
         return 0 if ok else 1
     finally:
