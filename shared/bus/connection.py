@@ -22,8 +22,10 @@ async def connect(
     """Connect to ``settings.nats_url`` as client ``name``.
 
     A ``persistent`` client (a service) retries the first connection and reconnects
-    forever; a command-line client gives up after a few attempts (about 3 s), so a missing
-    server is reported instead of waited for. Uses ``settings.nats_creds`` (a user creds
+    forever; a command-line client gives up its first connection after a few attempts
+    (about 3 s), so a missing server is reported instead of waited for, but once connected
+    it too reconnects forever (:func:`keep_reconnecting`): a server restart or a cluster
+    failover during `crawlmesh crawl --wait` must not end the wait. Uses ``settings.nats_creds`` (a user creds
     file) when set, else ``<home>/creds/mesh.creds`` when ``crawlmesh init`` wrote one, so
     operator mode is a setting. ``creds`` connects with another creds file (a tenant's);
     ``user`` with an in-memory ``(user JWT, nkey seed)`` that never touches the disk.
@@ -56,7 +58,7 @@ async def connect(
     else:
         path = creds or settings.creds_path
         auth = {"user_credentials": str(path) if path else None}
-    return await nats.connect(
+    nc = await nats.connect(
         servers=[url.strip() for url in settings.nats_url.split(",")],
         name=name,
         **auth,  # type: ignore[arg-type]
@@ -68,3 +70,17 @@ async def connect(
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
     )
+    return keep_reconnecting(nc)
+
+
+def keep_reconnecting(nc: Client) -> Client:
+    """Make a connected client reconnect forever (1 s apart) from now on; returns it.
+
+    nats-py reads ``max_reconnect_attempts`` from ``options`` at every attempt, so a client
+    connected with few attempts (to fail fast when no server is there) can be told to ride
+    out a later outage: with the limit, a CLI client closed itself about 1.5 s into a
+    nats-server restart and `crawlmesh crawl --wait` never saw the completion event.
+    """
+    nc.options["max_reconnect_attempts"] = -1
+    nc.options["reconnect_time_wait"] = 1.0
+    return nc

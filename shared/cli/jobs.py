@@ -38,7 +38,7 @@ from rich.markup import escape
 
 from shared import subjects
 from shared.accounts.keystore import KeyStore
-from shared.bus.connection import connect
+from shared.bus.connection import connect, keep_reconnecting
 from shared.cli.progress import JobProgress
 from shared.codec import decode, describe, encode
 from shared.contracts import (
@@ -140,7 +140,7 @@ async def connect_or_explain(settings: MeshSettings, creds: Path | None = None,
         except BaseException:
             await nc.close()
             raise
-        return nc
+        return keep_reconnecting(nc)
     except (nats.errors.NoServersError, OSError, nats.errors.Error) as error:
         refused = [e for e in errors if "authori" in e.lower() or "authenti" in e.lower()
                    or "expired" in e.lower()]
@@ -336,7 +336,10 @@ async def wait_for_job(
     """Follow the job's events (tenant connection ``tnc``) until it completes, is cancelled
     or rejected, showing progress (:class:`shared.cli.progress.JobProgress`: a bar on a
     terminal, lines otherwise) from its ``progress`` events, and between them from
-    ``counts()`` when given (the operator reads the ledger).
+    ``counts()`` when given (the operator reads the ledger; a failed read, e.g. while
+    nats-server restarts, skips that update instead of ending the wait). The events come
+    from an ordered consumer, which nats-py re-creates after missed heartbeats, so a
+    server restart delays the wait but does not end it.
 
     Returns the final event.
     """
@@ -350,7 +353,8 @@ async def wait_for_job(
                     msg = await sub.next_msg(timeout=0.5)
                 except (NatsTimeoutError, TimeoutError):
                     if counts is not None:
-                        progress.update(await counts())
+                        with contextlib.suppress(Exception):  # e.g. NATS restarting: later
+                            progress.update(await asyncio.wait_for(counts(), 10.0))
                     continue
                 event = decode(msg.data, JobEvent)
                 if event.kind in TERMINAL:
