@@ -340,7 +340,7 @@ def list_(
     console.print(letters(run(work)))
 
 
-@app.command()
+@app.command(short_help="Show one dead letter whole, its original payload decoded.")
 def show(dead_letter_id: str = typer.Argument(..., metavar="ID",
                                               help="Dead letter id (<stream>:<sequence>).")) -> None:
     """Show one dead letter whole: reason, headers and the original payload (decoded as
@@ -356,7 +356,7 @@ def show(dead_letter_id: str = typer.Argument(..., metavar="ID",
     typer.echo(orjson.dumps(run(work), option=orjson.OPT_INDENT_2).decode())
 
 
-@app.command()
+@app.command(short_help="Republish dead letters to their stage (see its --help).")
 def replay(
     stage: Stage | None = typer.Option(None, help=STAGE_HELP),
     tenant: str | None = typer.Option(None, help=TENANT_HELP),
@@ -364,15 +364,14 @@ def replay(
     ids: list[str] | None = typer.Option(None, "--id", help="Only this dead letter (repeatable)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be done; do nothing."),
 ) -> None:
-    """Republish dead letters to their stage, with their original headers and a new message
-    id generation; each is deleted from DLQ once its republish is acknowledged.
-
-    A dead page (fetcher, parser or sink) is processed again and gives ONE MORE result for
-    its URL, marked "replay_of" (its "failed" result stays); its outlinks are not followed
-    and its job's counters, state and events do not change. Links (dedup) and parked
-    results need a running job; seed submissions go back to the seeder. Expansion reports,
-    and pages of cancelled jobs, are refused, saying why. Exits 1 if any is refused.
-    """
+    """Republish dead letters to their stage with their original headers and a new message
+    id generation, deleting each from DLQ once its republish is acknowledged. A dead page
+    (fetcher, parser or sink) is processed again and adds ONE MORE result for its URL,
+    marked "replay_of" (its "failed" result stays); its outlinks are not followed and its
+    job's counters, state and events do not change. Links (dedup) and parked results need a
+    running job; seed submissions go back to the seeder. Expansion reports, and pages of
+    cancelled jobs, are refused, saying why. Exits 1 if any is refused or gets no PubAck
+    (that one is kept)."""
 
     async def work(ctx: Context) -> int:
         found = await select(ctx, stage, tenant, job, ids)
@@ -393,21 +392,28 @@ def replay(
                 typer.echo(f"would replay {letter.id} to {letter.subject} as "
                            f"{headers['Nats-Msg-Id']}")
                 continue
-            ack = await ctx.js.publish(letter.subject, letter.original, headers=headers,
-                                       timeout=10.0)
-            await ctx.js.delete_msg(DLQ.name, stored.dlq_seq)
+            try:
+                ack = await ctx.js.publish(letter.subject, letter.original, headers=headers,
+                                           timeout=10.0)
+            except Exception as error:  # no PubAck: the dead letter stays
+                refused += 1
+                typer.echo(f"failed {letter.id}: no PubAck from {letter.subject} "
+                           f"({type(error).__name__}: {error}); the dead letter is kept")
+                continue
+            with contextlib.suppress(NotFoundError):  # purged meanwhile
+                await ctx.js.delete_msg(DLQ.name, stored.dlq_seq)
             note = " (already replayed: the stream held it as a duplicate)" if ack.duplicate \
                 else f" ({ack.stream} seq {ack.seq})"
             typer.echo(f"replayed {letter.id} to {letter.subject} as "
                        f"{headers['Nats-Msg-Id']}{note}")
         console.print(f"{len(found) - refused} {'to replay' if dry_run else 'replayed'}, "
-                      f"{refused} refused")
+                      f"{refused} refused or failed")
         return refused
 
     raise typer.Exit(1 if run(work) else 0)
 
 
-@app.command()
+@app.command(short_help="Delete dead letters for good (asks first unless --yes).")
 def purge(
     stage: Stage | None = typer.Option(None, help=STAGE_HELP),
     tenant: str | None = typer.Option(None, help=TENANT_HELP),
