@@ -7,6 +7,9 @@ Admission and the job store are in-memory fakes of the handler's own protocols
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from services.dedup.admission import Candidate
@@ -230,3 +233,35 @@ async def test_a_redelivery_produces_the_same_outputs_with_the_same_ids() -> Non
     first = await handler.handle(message, delivery())
     again = await handler.handle(message, delivery())
     assert [(o.subject, o.msg_id) for o in again] == [(o.subject, o.msg_id) for o in first]
+
+
+async def test_a_page_of_10000_links_does_not_stall_the_event_loop() -> None:
+    """Screening 10,000 links takes 1-2 s of CPU: on the event loop it stopped the
+    ``in_progress`` heartbeat, so the message was redelivered and dead-lettered (its links
+    lost). It runs in a worker thread: the loop is never blocked for long."""
+    class FirstHundred:
+        async def admit(self, tenant: str, job: str, candidates: list[Candidate], cause: str,
+                        max_pages: int, max_pages_per_host: int) -> list[Candidate]:
+            return candidates[:100]
+
+    handler = DedupHandler(FirstHundred(), FakeJobs(record()))
+    message = links(*(f"https://site.test/item/{n}?ref=list" for n in range(10_000)))
+    longest = 0.0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal longest
+        while not stop.is_set():
+            began = time.monotonic()
+            await asyncio.sleep(0.01)
+            longest = max(longest, time.monotonic() - began)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)  # the ticker runs from here on
+    try:
+        outputs = await handler.handle(message, delivery())
+    finally:
+        stop.set()
+        await task
+    assert sum(isinstance(o.message, FrontierEntry) for o in outputs) == 100
+    assert longest < 0.5, f"the event loop was blocked for {longest:.2f} s"
