@@ -27,7 +27,7 @@ of :mod:`shared.bus.replays`. Once the PubAck comes, the dead letter is deleted 
   dead letter, so a replay could change nothing. Dead letters of other streams are refused.
 
 A dead letter the sink has not recorded yet (its ``failed`` record: see
-:func:`recorded_up_to`) is neither replayed nor purged: wait a moment. **Purge** deletes
+:func:`shared.bus.dlqstore.recorded_up_to`) is neither replayed nor purged: wait a moment. **Purge** deletes
 the selected dead letters after a confirmation (``--yes`` skips it; without a terminal it
 is required).
 """
@@ -39,24 +39,24 @@ import base64
 import contextlib
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
 import typer
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from rich.markup import escape
 
 from shared import subjects
+from shared.bus.dlqstore import NO_JOB_SHOWN, Selection, StoredLetter, job_token, read_letters
 from shared.bus.replays import PAGE_STREAMS, REPLAY_HEADER, REPLAY_OF_HEADER, Replay, replay_msg_id
 from shared.cli.jobs import CrawlError, active_settings, connect_or_explain, console
-from shared.codec import MAGIC, DecodeError, decode
+from shared.codec import MAGIC
 from shared.contracts import DeadLetter, JobState
 from shared.jobs import JobStore
-from shared.streams import DLQ, SINK_DLQ
+from shared.streams import DLQ, StreamMissingError
 from shared.subjects import Stage
 from shared.tenancy import TenantError, TenantRegistry
 
@@ -64,49 +64,11 @@ T = TypeVar("T")
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Dead letters: list, show, replay and purge them (on the mesh host).")
 
-NO_JOB_SHOWN = "-"
-"""How the job of a seed submission (``subjects.NO_JOB``) is shown and filtered."""
-
 REASON_CHARS = 80
 """Characters of the reason shown by ``list`` (``show`` and ``--json`` give it whole)."""
 
-FETCH_BATCH = 256
 DROPPED_HEADERS = ("Nats-Msg-Id", REPLAY_HEADER, REPLAY_OF_HEADER)
 """Original headers not republished as they were (a replay sets its own)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoredLetter:
-    """A dead letter and where it is stored: its ``DLQ`` sequence and whether the sink has
-    recorded it (``recorded``: see :func:`recorded_up_to`)."""
-
-    dlq_seq: int
-    letter: DeadLetter
-    recorded: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Selection:
-    """Which dead letters a command acts on; None or empty: any."""
-
-    stage: str | None = None
-    tenant: str | None = None
-    job: str | None = None
-    ids: frozenset[str] = field(default_factory=frozenset)
-
-    def subject(self) -> str:
-        """The ``DLQ`` filter subject, e.g. ``mesh.dlq.parser.*.*``."""
-        return f"mesh.dlq.{self.stage or '*'}.{self.tenant or '*'}.{self.job or '*'}"
-
-    def matches(self, letter: DeadLetter) -> bool:
-        return not self.ids or letter.id in self.ids
-
-
-def job_token(job: str | None) -> str | None:
-    """The job token of ``--job`` (``-``: seed submissions)."""
-    if job is None:
-        return None
-    return subjects.NO_JOB if job == NO_JOB_SHOWN else subjects.check_token(job, "job id")
 
 
 def decode_original(payload: bytes) -> tuple[str, Any]:
@@ -176,61 +138,6 @@ def replay_headers(stored: StoredLetter) -> dict[str, str]:
             "Nats-Msg-Id": replay_msg_id(original_id, stored.dlq_seq)}
 
 
-# ---- reading the DLQ ------------------------------------------------------------------------
-
-
-async def recorded_up_to(js: JetStreamContext) -> int | None:
-    """The ``DLQ`` sequence up to which the sink has recorded (or given up on) every dead
-    letter; None: no sink consumer, so nothing waits for it.
-
-    The ack floor of ``sink-dlq``, or, while that consumer has nothing in flight, the last
-    sequence it was delivered: nats-server (2.15) leaves the ack floor behind a message
-    that exhausted its deliveries, so the floor alone could hold every later one back.
-    """
-    try:
-        info = await js.consumer_info(DLQ.name, SINK_DLQ.durable)
-    except NotFoundError:
-        return None
-    floor = info.ack_floor.stream_seq if info.ack_floor else 0
-    if not info.num_ack_pending and info.delivered is not None:
-        floor = max(floor, info.delivered.stream_seq)
-    return floor
-
-
-async def read_letters(js: JetStreamContext, selection: Selection) -> list[StoredLetter]:
-    """Every dead letter ``selection`` matches, oldest first (an ephemeral consumer on the
-    filter subject, read to its end). Messages that are not dead letters are skipped."""
-    try:
-        if (await js.stream_info(DLQ.name)).state.messages == 0:
-            return []
-    except NotFoundError:
-        raise CrawlError("no DLQ stream: run `crawlmesh init`") from None
-    floor = await recorded_up_to(js)
-    config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-                            inactive_threshold=30.0, mem_storage=True)
-    sub = await js.pull_subscribe(selection.subject(), stream=DLQ.name, config=config)
-    out: list[StoredLetter] = []
-    try:
-        left = (await sub.consumer_info()).num_pending or 0
-        while left > 0:
-            msgs = await sub.fetch(min(left, FETCH_BATCH), timeout=5.0)
-            left -= len(msgs)
-            for msg in msgs:
-                try:
-                    letter = decode(msg.data, DeadLetter)
-                except DecodeError:
-                    continue
-                seq = msg.metadata.sequence.stream
-                if selection.matches(letter):
-                    out.append(StoredLetter(seq, letter, floor is None or seq <= floor))
-    finally:
-        await sub.unsubscribe()
-        if config.name:
-            with contextlib.suppress(Exception):
-                await js.delete_consumer(DLQ.name, config.name)
-    return out
-
-
 @dataclass
 class Context:
     """A MESH connection with the tenant registry read once (``names``: id -> name)."""
@@ -260,7 +167,7 @@ def run(work: Callable[[Context], Awaitable[T]]) -> T:
 
     try:
         return asyncio.run(main())
-    except (CrawlError, TenantError, ValueError) as error:
+    except (CrawlError, StreamMissingError, TenantError, ValueError) as error:
         console.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(1) from None
 

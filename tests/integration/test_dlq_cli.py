@@ -27,9 +27,9 @@ from nats.js import JetStreamContext
 from shared import subjects
 from shared.accounts.keystore import KeyStore
 from shared.bus.connection import connect
+from shared.bus.dlqstore import Selection, read_letters
 from shared.bus.loop import Delivery
 from shared.bus.replays import REPLAY_HEADER, REPLAY_OF_HEADER, Replay
-from shared.cli.deadletters import Selection, read_letters
 from shared.cli.jobs import export_results, read_events
 from shared.codec import encode
 from shared.contracts import DeadLetter, JobEvent, JobEventKind, JobState, Outcome, ParsedPage

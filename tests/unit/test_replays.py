@@ -12,16 +12,10 @@ import pytest
 from services.dedup.handler import DedupHandler
 from services.fetcher.main import fetchable
 from shared.bus import replays
+from shared.bus.dlqstore import Selection, StoredLetter, job_token
 from shared.bus.loop import Delivery, Outbound
 from shared.bus.replays import REPLAY_HEADER, REPLAY_OF_HEADER, Replay, carry, replay_msg_id
-from shared.cli.deadletters import (
-    Selection,
-    StoredLetter,
-    decode_original,
-    job_token,
-    refusal,
-    replay_headers,
-)
+from shared.cli.deadletters import decode_original, refusal, replay_headers
 from shared.codec import encode
 from shared.contracts import (
     CrawlRequest,
