@@ -12,6 +12,7 @@ the replayed page's outlinks are not followed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
 from shared import subjects
@@ -35,7 +37,7 @@ from shared.codec import encode
 from shared.contracts import DeadLetter, JobEvent, JobEventKind, JobState, Outcome, ParsedPage
 from shared.jobs import ledger_counts
 from shared.settings import MeshSettings
-from shared.streams import EXPANDED, FETCHED, FRONTIER, LINKS, PARSED
+from shared.streams import DLQ, EXPANDED, FETCHED, FRONTIER, LINKS, PARSED, SINK_DLQ
 from shared.subjects import Stage
 from shared.tenancy import DEFAULT_TENANT, TenantRegistry
 from tests.conftest import tenant_js
@@ -346,3 +348,34 @@ async def test_a_page_replay_of_a_cancelled_job_is_dropped(
     await cancelled.start(JobState.CANCELLED)
     await handlers.results.handle(cancelled.parsed("/"), replayed(cancelled, 5, "PARSED:1"))
     assert await cancelled.results(settings) == []
+
+
+async def test_a_dead_letter_the_sink_gave_up_on_does_not_hold_back_later_ones(
+    js: JetStreamContext, nc: Client, tenant: str, job: str,
+) -> None:
+    """nats-server leaves ``sink-dlq``'s ack floor behind a message that exhausted its
+    deliveries; once nothing is in flight, every delivered dead letter counts as recorded."""
+    crawl = Crawl(js, tenant, job, js)
+    for seq in (1, 2):
+        letter = dead_page(crawl, f"/p{seq}").model_copy(update={"id": f"PARSED:{seq}"})
+        await js.publish(subjects.dlq(Stage.SINK, tenant, job), encode(letter))
+    assert [s.recorded for s in await read_letters(js, Selection())] == [False, False]
+    sub = await js.pull_subscribe_bind(SINK_DLQ.durable, DLQ.name)
+    try:
+        first, second = await sub.fetch(2, timeout=5)
+        await second.ack()
+        assert [s.recorded for s in await read_letters(js, Selection())] == [False, False]
+
+        async def given_up() -> bool:  # redelivered until max_deliver (3, 1 s apart)
+            with contextlib.suppress(NatsTimeoutError, TimeoutError):
+                for msg in await sub.fetch(1, timeout=0.5):
+                    assert msg.data == first.data
+            info = await js.consumer_info(DLQ.name, SINK_DLQ.durable)
+            return not info.num_ack_pending and not info.num_pending
+
+        deadline = asyncio.get_running_loop().time() + 15
+        while not await given_up():
+            assert asyncio.get_running_loop().time() < deadline, "still redelivered"
+        assert [s.recorded for s in await read_letters(js, Selection())] == [True, True]
+    finally:
+        await sub.unsubscribe()
