@@ -509,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     run = run_child(crawler, seed_urls, args.max_pages, folder)
                 results[crawler].append(run)
+                if args.json:  # one line per run as it ends, so a cut-short run keeps its figures
+                    with args.json.with_suffix(".runs.jsonl").open("a") as runs_log:
+                        runs_log.write(json.dumps({**run.__dict__, "urls": None, "run": index + 1},
+                                                  default=str) + "\n")
                 print(f"run {index + 1} {crawler}: {run.pages} pages in {run.wall_s:.1f} s, "
                       f"{run.pages_per_s:.1f} pages/s, {run.cpu_ms_per_page:.1f} CPU ms/page, "
                       f"peak RSS {mib(run.rss_peak_total_bytes)} MiB, first result "
