@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from nats.js.api import RetentionPolicy
 
 from shared import streams, subjects
+from shared.bus import replays
 from shared.contracts import MESSAGES, CrawlRequest, DeadLetter, JobRecord, SeedReply
 from shared.contracts.requests import MAX_URL_CHARS
 from shared.schemas import (
@@ -256,7 +257,8 @@ def _servers() -> dict[str, Any]:
     }
 
 
-def _headers(msg_id: str, required: bool, example: str) -> dict[str, Any]:
+def _headers(msg_id: str, required: bool, example: str,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
     trace = {"type": "string", "description": "W3C Trace Context (optional); the mesh "
              "continues the trace of each input in the outputs it causes (a page admitted "
              "by dedup starts a new trace, linked to it)."}
@@ -265,9 +267,22 @@ def _headers(msg_id: str, required: bool, example: str) -> dict[str, Any]:
         "required": ["Nats-Msg-Id"] if required else [],
         "properties": {
             "Nats-Msg-Id": {"type": "string", "description": msg_id, "examples": [example]},
-            "traceparent": trace, "tracestate": trace,
+            "traceparent": trace, "tracestate": trace, **(extra or {}),
         },
     }
+
+
+_REPLAY_HEADERS: dict[str, Any] = {
+    replays.REPLAY_HEADER: {
+        "type": "string", "pattern": "^[0-9]+$", "examples": ["17"],
+        "description": "Set on a dead letter replayed by `crawlmesh dlq replay` (and, for a "
+                       "page, on every message it causes): the replay's generation N, the "
+                       "dead letter's DLQ sequence; msg ids then end in `:replay<N>`."},
+    replays.REPLAY_OF_HEADER: {
+        "type": "string", "examples": [f"{streams.FETCHED.name}:42"],
+        "description": "With Crawlmesh-Replay: the replayed dead letter's id, "
+                       "<stream>:<stream_seq>."},
+}
 
 
 def _components() -> dict[str, Any]:
@@ -316,7 +331,7 @@ def _components() -> dict[str, Any]:
                 "Deterministic id stage:tenant:job:fingerprint[:generation]: the publishing "
                 "stage, the URL fingerprint (or a per-job key such as `seeds`), generation "
                 "omitted when 0. A redelivered input thus produces no duplicate output inside "
-                "the stream's duplicate window.", True, example),
+                "the stream's duplicate window.", True, example, _REPLAY_HEADERS),
             "DeadLetterHeaders": _headers(
                 "dlq:<stream>:<stream_seq> of the original message, so the in-loop and "
                 "advisory paths never double a dead letter.", True, f"dlq:{streams.FETCHED.name}:42"),
