@@ -184,6 +184,7 @@ class DedupHandler:
             entry = FrontierEntry(
                 tenant=tenant, job_id=job, url=urls[cand.fingerprint],
                 fingerprint=cand.fingerprint, host=cand.host, depth=message.depth,
+                redirects=message.redirects,
             )
             outputs.append(Outbound(
                 subjects.frontier(subjects.partition_of(cand.host), tenant, job), entry,

@@ -286,7 +286,8 @@ class FetcherHandler:
         url, host = entry.url, entry.host
         seen = {url}
         elapsed_s = 0.0
-        for hop in range(self.settings.max_redirects + 1):
+        # Hops already followed on other hosts count too (entry.redirects; see _redirected).
+        for hop in range(max(self.settings.max_redirects - entry.redirects, 0) + 1):
             if hop:
                 try:
                     rules = await self._permit(url)
@@ -334,23 +335,29 @@ class FetcherHandler:
                                              error=f"{EGRESS_REFUSES} {refused_ip} for {target}")]
             if host_of(target) != host:
                 _observe(response, elapsed_s)
-                return self._redirected(entry, response, target, elapsed_s)
+                if entry.redirects + hop + 1 > self.settings.max_redirects:
+                    break  # an endless chain across hosts ends here, as on one host
+                return self._redirected(entry, response, target, elapsed_s, hop + 1)
             seen.add(target)
             url = target
-        _observe(response, elapsed_s)
+        else:
+            _observe(response, elapsed_s)
         return [await self._page_out(
             entry, url, error=f"more than {self.settings.max_redirects} redirects", elapsed_s=elapsed_s,
         )]
 
     def _redirected(self, entry: FrontierEntry, response: HttpResponse, target: str,
-                    elapsed_s: float) -> list[Outbound]:
+                    elapsed_s: float, hops: int) -> list[Outbound]:
         """A redirect or meta refresh to another host goes back through dedup, so the target
         host's robots.txt, politeness budget, the job's scope and page budget all apply.
 
         Two messages, in place of what the parser would publish for this page (so the
         page still gets exactly one result and one expansion report): a
         :class:`DiscoveredLinks` of origin ``redirect`` holding the target (at the page's
-        own depth: it is the same document), and the page's result, a :class:`ParsedPage`
+        own depth: it is the same document; ``redirects`` = the entry's + ``hops`` followed
+        here, so a chain across hosts stops after ``max_redirects`` hops in all, where
+        depth alone would let it run until the job's page budget is spent), and the page's
+        result, a :class:`ParsedPage`
         with the answer's status (3xx, or the refreshing page's), ``final_url`` the target
         (not requested) and no error.
         """
@@ -358,6 +365,7 @@ class FetcherHandler:
         links = DiscoveredLinks(
             tenant=tenant, job_id=job, origin=LinkOrigin.REDIRECT, depth=entry.depth,
             source_url=entry.url, source_fingerprint=fp, links=(Link(url=target),),
+            redirects=entry.redirects + hops,
         )
         page = ParsedPage(
             tenant=tenant, job_id=job, url=entry.url, final_url=target, fingerprint=fp,

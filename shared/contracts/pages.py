@@ -40,6 +40,9 @@ class DiscoveredLinks(Contract):
     links: tuple[Link, ...]
     part: int = Field(0, ge=0, description="Index of this message when links are split.")
     parts: int = Field(1, ge=1, description="How many messages the links were split into.")
+    redirects: int = Field(
+        0, ge=0, description="Redirect hops already followed to reach these links (origin "
+        "redirect: a chain across hosts counts towards the fetcher's max_redirects); else 0.")
 
 
 class FrontierEntry(Contract):
@@ -53,6 +56,8 @@ class FrontierEntry(Contract):
     host: str
     depth: int = Field(ge=0)
     generation: int = Field(0, ge=0)
+    redirects: int = Field(
+        0, ge=0, description="Redirect hops (across hosts) that led to this URL.")
     not_before: UtcDatetime | None = None
     admitted_at: UtcDatetime = Field(default_factory=utc_now)
 

@@ -265,3 +265,12 @@ async def test_a_page_of_10000_links_does_not_stall_the_event_loop() -> None:
         await task
     assert sum(isinstance(o.message, FrontierEntry) for o in outputs) == 100
     assert longest < 0.5, f"the event loop was blocked for {longest:.2f} s"
+
+
+async def test_a_redirect_target_keeps_its_hop_count() -> None:
+    handler, _ = make()
+    message = links("https://site.test/moved").model_copy(
+        update={"origin": LinkOrigin.REDIRECT, "redirects": 3})
+    outputs = await handler.handle(message, delivery())
+    (entry,) = [o.message for o in outputs if isinstance(o.message, FrontierEntry)]
+    assert entry.redirects == 3

@@ -148,3 +148,23 @@ async def test_meta_refresh_loop_is_detected(site: Site, make_handler: MakeHandl
     site.pages = {"/p": (200, "text/html", refresh_page("0; url=/p"))}
     page = await fetch(make_handler(), site.url("/p"))
     assert page.error is not None and page.error.startswith("redirect loop")
+
+
+async def test_redirect_hops_across_hosts_count_towards_the_limit(
+    site: Site, other_site: Site, make_handler: MakeHandler,
+) -> None:
+    """A chain that bounces between hosts went back through dedup at the same depth with no
+    count, so it ran until the job's page budget was spent: the hops now travel with it."""
+    site.routes["/a"] = lambda req: respond(req, 302, Location="/b")
+    site.routes["/b"] = lambda req: respond(req, 302, Location=other_site.url("/c"))
+    handler = make_handler(max_redirects=3)
+    links_out, _ = await handler.handle(entry(site.url("/a")), delivery())
+    links = decode(encode(links_out.message), DiscoveredLinks)
+    assert links.redirects == 2  # /a -> /b here, /b -> other host
+
+    arrived = entry(site.url("/a")).model_copy(update={"redirects": 2})
+    site.requests.clear()
+    (out,) = await handler.handle(arrived, delivery())  # one hop left: /a -> /b, no more
+    page = decode(encode(out.message), FetchedPage)
+    assert (page.status, page.error) == (0, "more than 3 redirects")
+    assert site.requests == ["/a", "/b"] and other_site.requests == []
