@@ -154,6 +154,20 @@ def build_client(
     )
 
 
+def detail_of(error: BaseException) -> str:
+    """The first non-empty message along ``error``'s causes: httpx's ``ReadError`` for a
+    connection reset mid-body says nothing itself (nor do httpcore's and anyio's errors
+    under it); the ``ConnectionResetError`` at the bottom does."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            break
+        if str(seen):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return type(error).__name__
+
+
 def _kind_of(error: Exception) -> FailureKind:
     """The :class:`FailureKind` of an httpx exception."""
     if isinstance(error, httpx.TimeoutException):
@@ -238,7 +252,7 @@ class Downloader:
         except (httpx.HTTPError, httpx.InvalidURL) as error:
             kind = _kind_of(error)
             what = "truncated body" if kind is FailureKind.TRUNCATED else type(error).__name__
-            raise FetchError(f"{what} fetching {url}: {error}", kind) from None
+            raise FetchError(f"{what} fetching {url}: {detail_of(error)}", kind) from None
         return HttpResponse(
             url=url, status=response.status_code, headers=response.headers,
             content_type=content_type, media_type=media_type, body=body, truncated=truncated,
