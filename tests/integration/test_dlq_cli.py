@@ -6,7 +6,9 @@ published on the job's links subject (dead-lettered by dedup at once). Then the 
 restarted without the fault ("the bug is fixed") and the dead letters are listed, shown,
 replayed and purged, checking what the tenant receives: the completed job's results get one
 more record for ``/crash``, marked as a replay, once; its counters and events do not change;
-the replayed page's outlinks are not followed.
+the replayed page's outlinks are not followed. Links that came before their job (dead:
+unknown job) are refused while the job does not exist and, once it runs, replayed into
+dedup like any links: their page is crawled as part of the job.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import contextlib
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -32,9 +36,20 @@ from shared.bus.connection import connect
 from shared.bus.dlqstore import Selection, read_letters
 from shared.bus.loop import Delivery
 from shared.bus.replays import REPLAY_HEADER, REPLAY_OF_HEADER, Replay
-from shared.cli.jobs import export_results, read_events
+from shared.cli.jobs import export_results, read_events, submit
 from shared.codec import encode
-from shared.contracts import DeadLetter, JobEvent, JobEventKind, JobState, Outcome, ParsedPage
+from shared.contracts import (
+    CrawlRequest,
+    DeadLetter,
+    DiscoveredLinks,
+    JobEvent,
+    JobEventKind,
+    JobState,
+    Link,
+    LinkOrigin,
+    Outcome,
+    ParsedPage,
+)
 from shared.jobs import ledger_counts
 from shared.settings import MeshSettings
 from shared.streams import DLQ, EXPANDED, FETCHED, FRONTIER, LINKS, PARSED, SINK_DLQ
@@ -102,14 +117,27 @@ def recorded_letters(mesh: MeshProcess) -> int:
     return asyncio.run(count())
 
 
-def build_site() -> Site:
+def build_site(release: threading.Event) -> Site:
+    """``/hold`` answers once ``release`` is set (its job stays running until then)."""
+
+    def hold(handler: BaseHTTPRequestHandler) -> None:
+        release.wait(60)
+        body = html("held", "Held")
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/html")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
     site = Site()
+    site.routes = {"/hold": hold}
     site.pages = {
         "/robots.txt": (404, "text/plain", b""),
         "/": (200, "text/html", html('<a href="/a">a</a> <a href="/crash">crash</a>', "Home")),
         "/a": (200, "text/html", html("leaf", "A")),
         "/crash": (200, "text/html", html('<a href="/from-crash">only here</a>', "Crash")),
         "/from-crash": (200, "text/html", html("never admitted", "Orphan")),
+        "/extra": (200, "text/html", html("admitted by a replay", "Extra")),
     }
     return site.start()
 
@@ -145,6 +173,15 @@ async def events_of(mesh: MeshProcess, job: str) -> list[JobEvent]:
         await tnc.close()
 
 
+async def submit_as_tenant(mesh: MeshProcess, request: CrawlRequest) -> str:
+    creds = KeyStore(mesh.home).tenant_creds(DEFAULT_TENANT)
+    tnc = await connect(mesh.settings, "test-dlq-tenant", creds=creds, persistent=False)
+    try:
+        return await submit(tnc, request)
+    finally:
+        await tnc.close()
+
+
 def settled(mesh: MeshProcess) -> bool:
     """Nothing left in any work-queue stage stream (every message acked or terminated)."""
     return not any(asyncio.run(mesh_state(mesh))[1].values())
@@ -157,7 +194,8 @@ def listed(mesh: MeshProcess, *filters: str) -> list[dict]:
 
 
 def test_dead_letters_listed_shown_replayed_and_purged(tmp_path: Path) -> None:
-    site = build_site()
+    release = threading.Event()
+    site = build_site(release)
     home = tmp_path / "home"
     mesh = MeshProcess(home, env={"CRAWLMESH_FAULT_INJECT": 'fetcher:/crash"'}).start()
     try:
@@ -247,6 +285,31 @@ def test_dead_letters_listed_shown_replayed_and_purged(tmp_path: Path) -> None:
         run = crawlmesh(mesh, "dlq", "replay", "--id", page["id"])
         assert run.returncode == 1 and f"no dead letter {page['id']}" in run.stderr
 
+        # links replay into dedup as usual, for a running job: these came before their job
+        job2 = subjects.new_job_id()
+        early = DiscoveredLinks(tenant=tenant, job_id=job2, origin=LinkOrigin.OUTLINKS,
+                                depth=1, source_url=site.url("/hold"), source_fingerprint="0" * 32,
+                                links=(Link(url=site.url("/extra")),))
+        asyncio.run(publish(mesh, subjects.links(tenant, job2), encode(early)))
+        wait_for(lambda: recorded_letters(mesh) == 2, 30, "the early links dead-lettered")
+        (dead_links,) = listed(mesh, "--job", job2)
+        assert dead_links["reason"] == f"unknown job {job2!r} of tenant {tenant}"
+        run = crawlmesh(mesh, "dlq", "replay", "--job", job2)
+        assert run.returncode == 1
+        assert run.stdout == f"refused {dead_links['id']}: job {job2} does not exist (any more)\n"
+        asyncio.run(submit_as_tenant(mesh, CrawlRequest(seeds=(site.url("/hold"),), job_id=job2)))
+        run = crawlmesh(mesh, "dlq", "replay", "--job", job2)
+        assert run.returncode == 0 and run.stdout.startswith(f"replayed {dead_links['id']} ")
+        wait_for(lambda: "/extra" in site.requests, 30, "the replayed link fetched")
+        release.set()
+        wait_for(lambda: any(e.kind is JobEventKind.COMPLETED
+                             for e in asyncio.run(events_of(mesh, job2))), 30, "job 2 completed")
+        second = results_of(mesh, job2)
+        assert sorted(r["url"].removeprefix(site.base) for r in second) == ["/extra", "/hold"]
+        assert all(r["replay_of"] is None for r in second)
+        status2 = json.loads(crawlmesh(mesh, "status", job2).stdout)
+        assert (status2["admitted"], status2["finished"], status2["failed"]) == (2, 2, 0)
+
         # purge: never without confirmation; --yes deletes
         run = crawlmesh(mesh, "dlq", "purge", "--stage", "dedup")
         assert run.returncode == 1 and "without --yes" in run.stderr
@@ -256,6 +319,7 @@ def test_dead_letters_listed_shown_replayed_and_purged(tmp_path: Path) -> None:
         assert run.stdout.strip() == f"purged {links['id']}"
         assert listed(mesh) == []
     finally:
+        release.set()
         assert mesh.stop() == 0, mesh.log("launcher")
         site.stop()
 
