@@ -60,7 +60,7 @@ from tests.integration.meshproc import MeshProcess
 from tests.integration.test_sink import SITE, Crawl, Sink, delivery, fp, sink
 from tests.sites import Site, html, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 WORK_STREAMS = (LINKS.name, FRONTIER.name, FETCHED.name, PARSED.name, EXPANDED.name)
