@@ -49,7 +49,7 @@ from shared.contracts import (
 )
 from shared.urls import UrlError, canonical_url, fingerprint
 
-PROFILE = settings(max_examples=200, deadline=None,
+PROFILE = settings(max_examples=100, deadline=None,
                    suppress_health_check=[HealthCheck.too_slow])
 
 # ---- URLs --------------------------------------------------------------------------------

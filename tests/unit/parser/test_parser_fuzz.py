@@ -10,7 +10,7 @@ to :class:`ParserHandler` as the service does. Whatever the input, the handler m
 return one parsed page and one links message, each within the server's max payload, with
 only absolute http(s) links of bounded length, each once, in bounded time.
 
-Runs for ``CRAWLMESH_FUZZ_S`` seconds (default 20); a longer run::
+Runs for ``CRAWLMESH_FUZZ_S`` seconds (default 15); a longer run::
 
     CRAWLMESH_FUZZ_S=600 pytest tests/unit/parser/test_parser_fuzz.py -s
 
@@ -147,7 +147,7 @@ async def test_parser_survives_mutated_corpus_pages() -> None:
     pages = corpus_pages()
     if not pages:
         pytest.skip("no corpus installed (../shared/corpus/serve start installs it)")
-    budget_s = float(os.environ.get("CRAWLMESH_FUZZ_S", "20"))
+    budget_s = float(os.environ.get("CRAWLMESH_FUZZ_S", "15"))
     seed = int(os.environ.get("CRAWLMESH_FUZZ_SEED", str(random.SystemRandom().randrange(2**32))))
     rng = random.Random(seed)
     handler = ParserHandler(FakeBodies(), FakeRules(*RULES), PageLimits())
