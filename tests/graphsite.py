@@ -49,6 +49,10 @@ class GraphSite:
     links: dict[str, list[str]] = field(default_factory=dict)
     """Outlinks (absolute URLs) of every URL the site serves as HTML."""
 
+    side: Site = field(default_factory=lambda: Site(host="127.0.3.250"))
+    """A host of its own for fault pages (:meth:`add_leaf` with ``own_host``): a page that
+    hangs there holds no page of the graph back (politeness is per host)."""
+
     def __post_init__(self) -> None:
         self.sites = [Site(host=f"127.0.3.{n + 1}") for n in range(self.hosts)]
 
@@ -59,7 +63,7 @@ class GraphSite:
         ``routes``: ``{path: handler}`` served by host 0 instead of its page (fault pages);
         such a path is still linked as the graph says.
         """
-        for site in self.sites:
+        for site in (*self.sites, self.side):
             site.pages["/robots.txt"] = (404, "text/plain", b"")
             site.start()
         rng = random.Random(self.seed)
@@ -77,10 +81,11 @@ class GraphSite:
             self._serve(self.url(i), out)
         for path, route in (routes or {}).items():
             self.sites[0].routes[path] = route
+            self.side.routes[path] = route
         return self
 
     def stop(self) -> None:
-        for site in self.sites:
+        for site in (*self.sites, self.side):
             site.stop()
 
     def host_of(self, page: int) -> Site:
@@ -96,7 +101,7 @@ class GraphSite:
     @property
     def requests(self) -> int:
         """Requests served so far over every host."""
-        return sum(len(site.requests) for site in self.sites)
+        return sum(len(site.requests) for site in (*self.sites, self.side))
 
     def request(self, **limits: object) -> CrawlRequest:
         """The crawl request the reachable set is computed for: from ``/g0``, any host,
@@ -123,9 +128,22 @@ class GraphSite:
         self.links[page_url].append(target)
         self._serve(page_url, self.links[page_url])
 
+    def add_leaf(self, path: str, linked_from: int, body: bytes | None = None,
+                 own_host: bool = False) -> str:
+        """Serve ``path`` on host 0, or with ``own_host`` on :attr:`side` (``body``, or a
+        route given to :meth:`start` when None) with no outlinks, linked from page
+        ``linked_from``. Returns its URL."""
+        host = self.side if own_host else self.sites[0]
+        url = host.url(path)
+        self.links[url] = []
+        if body is not None:
+            host.pages[path] = (200, "text/html", body)
+        self.link(self.url(linked_from), url)
+        return url
+
     def _serve(self, url: str, out: list[str]) -> None:
         self.links[url] = out
-        site = next(s for s in self.sites if url.startswith(s.base + "/"))
+        site = next(s for s in (*self.sites, self.side) if url.startswith(s.base + "/"))
         path = url.removeprefix(site.base)
         body = " ".join(f'<a href="{target}">{n}</a>' for n, target in enumerate(out))
         site.pages[path] = (200, "text/html", html(body, path))

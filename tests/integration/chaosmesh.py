@@ -210,6 +210,7 @@ class ChaosMesh:
         child = self.rng.choice(self.wait_live(kind))
         assert child.process is not None
         os.kill(child.process.pid, signal.SIGKILL)
+        child.process.wait(30)  # gone (and reaped) before anyone looks for live ones again
         self.kills[kind] += 1
         return child.process.pid
 
