@@ -311,13 +311,11 @@ def test_hostile_pages_each_yield_a_result_and_the_job_completes(
 ) -> None:
     site = pages_site()
     before = pids(mesh)
-    started = time.monotonic()
     try:
         final, by_url = asyncio.run(crawl(mesh, CrawlRequest(
             seeds=(site.url("/"),), max_depth=2, max_pages=40), tmp_path / "pages.jsonl"))
     finally:
         site.stop()
-    took = time.monotonic() - started
     results = {url.removeprefix(site.base): r for url, r in by_url.items()}
 
     assert final.kind is JobEventKind.COMPLETED
@@ -342,18 +340,15 @@ def test_hostile_pages_each_yield_a_result_and_the_job_completes(
     assert 10_000 <= sum(decided.values()) < 2 * 10_100, decided
     assert decided.get("over_budget", 0) > 9_000
     assert pids(mesh) == before, "a service process died and was restarted"
-    assert took < 150
 
 
 def test_hostile_servers_each_yield_an_error_result_and_the_job_completes(
     mesh: MeshProcess, servers: Servers, tmp_path: Path
 ) -> None:
     before = pids(mesh)
-    started = time.monotonic()
     final, by_url = asyncio.run(crawl(mesh, CrawlRequest(
         seeds=(servers.start.url("/"),), max_depth=1, max_pages=100,
         scope=Scope(mode=ScopeMode.ANY)), tmp_path / "servers.jsonl"))
-    took = time.monotonic() - started
 
     assert final.kind is JobEventKind.COMPLETED
     assert final.counters.failed == 0
@@ -375,7 +370,6 @@ def test_hostile_servers_each_yield_an_error_result_and_the_job_completes(
     assert len(requested) <= 6, f"{len(requested)} hops of an endless redirect chain fetched"
     assert any("redirect" in (r["error"] or "") for r in hops), hops
     assert pids(mesh) == before, "a service process died and was restarted"
-    assert took < 120
 
 
 BAD_SUBMISSIONS: tuple[tuple[bytes, str], ...] = (
