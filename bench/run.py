@@ -520,13 +520,17 @@ def main(argv: list[str] | None = None) -> int:
                       + (f", mesh start {run.extra['mesh_start_s']:.1f} s, restarts "
                          f"{run.extra['restarts']}, CPU s by process "
                          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(run.cpu_by_process.items()))
+                         + ", peak RSS MiB by process "
+                         + ", ".join(f"{k} {mib(v)}"
+                                     for k, v in sorted(run.rss_peak_by_process.items()))
                          if crawler == "crawlmesh" else ""), flush=True)
         if args.profile is not None:  # an extra run, not counted: py-spy costs CPU
             folder = work / "profiled"
             folder.mkdir()
             run = run_mesh(seed_urls, args.max_pages, folder, args.profile)
-            print(f"profiled crawlmesh run (not counted): {run.pages} pages in {run.wall_s:.1f} s; "
-                  f"py-spy output in {args.profile}", flush=True)
+            print(f"profiled crawlmesh run (not counted): {run.pages} pages in {run.wall_s:.1f} s, "
+                  f"CPU s by process {run.cpu_by_process}; py-spy output in {args.profile}",
+                  flush=True)
     finally:
         if args.keep:
             print(f"work folder: {work}")
