@@ -225,11 +225,11 @@ class ChaosMesh:
     def retire(self, kind: str) -> str:
         """SIGKILL one replica of ``kind`` for good (never restarted). Returns its name."""
 
-        def take_out() -> str:
+        def take_out() -> str | None:
             assert self.mesh is not None
             live = self.live(kind)
             if len(live) < 2:
-                raise AssertionError(f"{kind}: retiring needs two running replicas")
+                return None  # one is being restarted: wait for it again
             child = self.rng.choice(live)
             self.mesh.children.remove(child)
             assert child.process is not None
@@ -237,7 +237,10 @@ class ChaosMesh:
             self._retired.append(child)
             return child.name
 
-        name = self.call(take_out)
+        while True:  # both replicas running (one may be restarting after a kill)
+            self.wait_live(kind, 2)
+            if (name := self.call(take_out)) is not None:
+                break
         self.kills[f"{kind} (for good)"] += 1
         return name
 
