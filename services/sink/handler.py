@@ -215,17 +215,28 @@ class ResultHandler:
             TenantFullError: the tenant has no room (retried; never parked).
             TransientError: no answer from JetStream.
         """
-        tenant, job, fp = message.tenant, message.job_id, message.fingerprint
-        record = await self.ledger.completion.jobs.cached(tenant, job)
-        if record is None or record.state is JobState.CANCELLED:
-            log.info("replay %s of %s dropped: job %s is %s", replay.of, message.url, job,
-                     "unknown" if record is None else record.state)
-            return
-        result = result_of(message).model_copy(update={"replay_of": replay.of})
-        delivery = await self.ledger.results.write(
-            tenant, job, f"{fp}:replay{replay.generation}", result, park=False)
-        if delivery is Delivered.STORED:
-            metrics.RESULTS_STORED.labels(tenant, str(result.outcome)).inc()
+        await store_replay(self.ledger, result_of(message), replay)
+
+
+async def store_replay(ledger: PageLedger, result: PageResult, replay: replays.Replay) -> None:
+    """Store ``result`` of a page replay as one more record for its URL, marked
+    ``replay_of``, once per replay generation; dropped for a cancelled or unknown job.
+
+    Raises:
+        TenantFullError: the tenant has no room (retried; never parked).
+        TransientError: no answer from JetStream.
+    """
+    tenant, job, fp = result.tenant, result.job_id, result.fingerprint
+    record = await ledger.completion.jobs.cached(tenant, job)
+    if record is None or record.state is JobState.CANCELLED:
+        log.info("replay %s of %s dropped: job %s is %s", replay.of, result.url, job,
+                 "unknown" if record is None else record.state)
+        return
+    result = result.model_copy(update={"replay_of": replay.of})
+    delivery = await ledger.results.write(
+        tenant, job, f"{fp}:replay{replay.generation}", result, park=False)
+    if delivery is Delivered.STORED:
+        metrics.RESULTS_STORED.labels(tenant, str(result.outcome)).inc()
 
 
 class ExpansionHandler:
@@ -256,7 +267,10 @@ class ParkedHandler:
 
     async def handle(self, message: PageResult, delivery: Delivery) -> list[Outbound]:
         tenant, job = message.tenant, message.job_id
-        if await self.ledger.completion.running(tenant, job):
+        replay = replays.of(delivery.headers)
+        if replay is not None and replay.page:  # a dead-lettered parked result, replayed
+            await store_replay(self.ledger, message, replay)
+        elif await self.ledger.completion.running(tenant, job):
             event = PageEvent.FAILED if message.outcome is Outcome.FAILED else PageEvent.RESULT
             await self.ledger.apply(tenant, job, message.fingerprint, event, message,
                                     source_of(delivery), park=False)
@@ -268,8 +282,9 @@ class Pauses(Protocol):
     async def clear_if_drained(self, tenant: str, in_flight: int = 0) -> bool: ...
 
 
-_PAGE_MODELS: dict[str, type[FrontierEntry] | type[FetchedPage] | type[ParsedPage]] = {
+_PAGE_MODELS: dict[str, type[FrontierEntry | FetchedPage | ParsedPage | PageResult]] = {
     "FRONTIER": FrontierEntry, "FETCHED": FetchedPage, "PARSED": ParsedPage,
+    "PARKED": PageResult,  # a parked result the sink could not store: its page fails too
 }
 
 

@@ -14,8 +14,8 @@ the dead letter) is de-duplicated by JetStream.
 While a replayed message is handled, :func:`current` returns its :class:`Replay` (a
 context variable, for code that sees no delivery).
 
-A *page replay* (:attr:`Replay.page`: the dead letter came from ``FRONTIER``, ``FETCHED``
-or ``PARSED``) re-processes a page that the sink already finished as ``failed``. It
+A *page replay* (:attr:`Replay.page`: the dead letter came from ``FRONTIER``, ``FETCHED``,
+``PARSED`` or ``PARKED``) re-processes a page that the sink already finished as ``failed``. It
 delivers one additional result, marked ``replay_of``, and nothing else: the fetcher
 fetches it even if its job has completed since (not if it was cancelled), dedup does not
 follow its outlinks, and the sink neither changes its page state nor its job's counters
@@ -25,7 +25,7 @@ replay's two headers from an input to every output and suffixes each output's
 outputs never collide with earlier outputs for the same page, and a redelivery of a
 replayed message still produces the same ids.
 
-Other replays (links, a seed submission, a parked result) are ordinary inputs of their
+Other replays (links, a seed submission) are ordinary inputs of their
 stage: their outputs keep their ids, which are per job and page (admissions, ledger
 entries, events), so whatever the original had already done is de-duplicated as usual.
 """
@@ -47,8 +47,9 @@ REPLAY_HEADER = "Crawlmesh-Replay"
 REPLAY_OF_HEADER = "Crawlmesh-Replay-Of"
 """The replayed dead letter's id, ``<stream>:<sequence>`` of the original message."""
 
-PAGE_STREAMS = frozenset({"FRONTIER", "FETCHED", "PARSED"})
-"""Streams whose messages are one page each (on the way from admission to its result)."""
+PAGE_STREAMS = frozenset({"FRONTIER", "FETCHED", "PARSED", "PARKED"})
+"""Streams whose messages are one page each (on the way from admission to its result, or
+its result parked over the tenant's quota)."""
 
 _SUFFIX = re.compile(r":replay\d+$")
 

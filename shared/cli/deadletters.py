@@ -15,14 +15,15 @@ of :mod:`shared.bus.replays`. Once the PubAck comes, the dead letter is deleted 
 ``DLQ``; a replay that dies again is a new dead letter with a new id. What happens then:
 
 * a page (dead in the fetcher, parser or sink: streams ``FRONTIER``, ``FETCHED``,
-  ``PARSED``) was finished as ``failed`` when it died, and its job may have completed
-  since. Its replay re-runs the page from that stage and delivers **one additional
-  result** for its URL, marked ``replay_of: <dead letter id>``, once whatever the
-  redeliveries; the ``failed`` record stays. Its outlinks are not followed, and the job's
-  counters, state and events do not change. Refused when the job was cancelled or is gone.
+  ``PARSED``, or a result parked over quota, ``PARKED``) was finished as ``failed`` when
+  it died, and its job may have completed since. Its replay re-runs the page from that
+  stage and delivers **one additional result** for its URL, marked
+  ``replay_of: <dead letter id>``, once whatever the redeliveries; the ``failed`` record
+  stays. Its outlinks are not followed, and the job's counters, state and events do not
+  change. Refused when the job was cancelled or is gone.
 * links (``LINKS``, dedup) are admitted as usual, so the job must still be running;
-  a parked result (``PARKED``) is retried for a running job; a seed submission (an intake
-  stream) goes back to the seeder, which starts the job or answers ``rejected``.
+  a seed submission (an intake stream) goes back to the seeder, which starts the job or
+  answers ``rejected``.
 * an expansion report (``EXPANDED``) is refused: the sink applied it when it recorded the
   dead letter, so a replay could change nothing. Dead letters of other streams are refused.
 
@@ -113,7 +114,7 @@ def refusal(letter: DeadLetter, job: JobState | None, tenant_known: bool,
     if stream == "EXPANDED":
         return ("nothing to replay: the sink applied this expansion report when it recorded "
                 "the dead letter")
-    if stream not in (*PAGE_STREAMS, "LINKS", "PARKED"):
+    if stream not in (*PAGE_STREAMS, "LINKS"):
         return f"dead letters of stream {stream} are not replayable"
     if job is None:
         return f"job {letter.job_id} does not exist (any more)"
@@ -122,8 +123,7 @@ def refusal(letter: DeadLetter, job: JobState | None, tenant_known: bool,
             return f"job {letter.job_id} was cancelled: its tenant wants nothing more of it"
         return None
     if job is not JobState.RUNNING:
-        what = "dedup admits links" if stream == "LINKS" else "the sink stores parked results"
-        return f"job {letter.job_id} is {job}: {what} only for running jobs"
+        return f"job {letter.job_id} is {job}: dedup admits links only for running jobs"
     return None
 
 
@@ -273,10 +273,10 @@ def replay(
 ) -> None:
     """Republish dead letters to their stage with their original headers and a new message
     id generation, deleting each from DLQ once its republish is acknowledged. A dead page
-    (fetcher, parser or sink) is processed again and adds ONE MORE result for its URL,
+    (fetcher, parser or sink, or a parked result) is processed again and adds ONE MORE result for its URL,
     marked "replay_of" (its "failed" result stays); its outlinks are not followed and its
-    job's counters, state and events do not change. Links (dedup) and parked results need a
-    running job; seed submissions go back to the seeder. Expansion reports, and pages of
+    job's counters, state and events do not change. Links (dedup) need a running job; seed
+    submissions go back to the seeder. Expansion reports, and pages of
     cancelled jobs, are refused, saying why. Exits 1 if any is refused or gets no PubAck
     (that one is kept)."""
 

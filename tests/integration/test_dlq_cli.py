@@ -48,6 +48,7 @@ from shared.contracts import (
     Link,
     LinkOrigin,
     Outcome,
+    PageResult,
     ParsedPage,
 )
 from shared.jobs import ledger_counts
@@ -438,3 +439,41 @@ async def test_a_dead_letter_the_sink_gave_up_on_does_not_hold_back_later_ones(
         assert [s.recorded for s in await read_letters(js, Selection())] == [True, True]
     finally:
         await sub.unsubscribe()
+
+
+async def test_a_dead_parked_result_fails_its_page_and_its_replay_is_one_more_result(
+    nc: Client, crawl: Crawl, handlers: Sink, settings: MeshSettings,
+) -> None:
+    """A parked result that could not be stored (dead-lettered from ``PARKED``) finishes its
+    page as failed, so the job completes instead of waiting for it forever; replaying it
+    stores the result once, marked ``replay_of``."""
+    from services.sink.main import setup as sink_setup
+    from shared.bus.service import TenantLoops
+
+    await crawl.expanded(handlers, await crawl.admit(None, "/"))
+    parked = PageResult(tenant=crawl.tenant, job_id=crawl.job, url=SITE + "/",
+                        fingerprint=fp("/"), outcome=Outcome.OK, status=200, depth=0,
+                        title="title of /")
+    letter = DeadLetter(id="PARKED:3", tenant=crawl.tenant, job_id=crawl.job, stage="sink",
+                        reason="RuntimeError: boom", delivery_count=1,
+                        subject=subjects.parked(crawl.tenant, crawl.job), stream="PARKED",
+                        stream_seq=3, headers={}, original=encode(parked))
+    await handlers.dead_letters.handle(letter, delivery(
+        subjects.dlq(Stage.SINK, crawl.tenant, crawl.job), crawl.tenant, crawl.job))
+    (completed,) = await crawl.completions(settings)
+    assert completed.counters.finished == 1 and completed.counters.failed == 1
+    (failed,) = await crawl.results(settings)
+    assert failed.outcome is Outcome.FAILED and "dead-lettered by sink" in (failed.error or "")
+
+    (parked_loops,) = [spec for spec in await sink_setup(nc, settings)
+                       if isinstance(spec, TenantLoops) and spec.name == "sink-parked"]
+    handler = parked_loops.factory(crawl.tenant).handler
+    for delivered in (1, 2):  # the replayed message, redelivered
+        await handler.handle(parked, Delivery(
+            subject=subjects.parked(crawl.tenant, crawl.job),
+            headers=Replay(9, letter.id).headers(), delivered=delivered, stream_seq=20,
+            tenant=crawl.tenant, job=crawl.job))
+    results = await crawl.results(settings)
+    assert [(r.outcome, r.replay_of) for r in results] == [
+        (Outcome.FAILED, None), (Outcome.OK, "PARKED:3")]
+    assert await crawl.completions(settings) == [completed]
