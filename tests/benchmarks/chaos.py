@@ -238,6 +238,7 @@ def main() -> int:
         "CRAWLMESH_FAULT_INJECT": 'parser:/crash"',
         "CRAWLMESH_FETCHER_READ_TIMEOUT_S": "600",
         "CRAWLMESH_FETCHER_TOTAL_TIMEOUT_S": "600",
+        "CRAWLMESH_FETCHER_HOST_RULES": '{"127.0.*": {"delay_s": 0, "max_in_flight": 4}}',
     })
     problems: list[str] = []
     try:

@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 
 from shared.cli.jobs import export_results, open_session, read_events, submit, wait_for_job
-from shared.contracts import CrawlRequest, JobEvent, JobEventKind
+from shared.contracts import CrawlRequest, JobCounters, JobEvent, JobEventKind
 from shared.contracts.results import DeadLetter
 from shared.tenancy import DEFAULT_TENANT
 from tests.integration.chaosmesh import ChaosMesh, dead_letters
@@ -41,11 +41,14 @@ class CrawlReport:
     """What one crawl produced, read back from the tenant's streams and the DLQ."""
 
     job: str
-    final: JobEvent
+    final: JobEvent | None
+    """The job's final event; None if it did not end within the timeout."""
     results: list[dict[str, object]]
     completions: int
     letters: list[DeadLetter]
     wall_s: float
+    counters: JobCounters = field(default_factory=JobCounters)
+    """The job's ledger counts when it was read back (admitted, finished, failed)."""
     urls: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
@@ -85,7 +88,9 @@ class CrawlReport:
         if self.duplicates:
             twice = [url for url, count in self.urls.items() if count > 1]
             found.append(f"{self.duplicates} duplicate results, e.g. {twice[:5]}")
-        if self.final.kind is not JobEventKind.COMPLETED:
+        if self.final is None:
+            found.append(f"job did not end within the timeout; ledger {self.counters}")
+        elif self.final.kind is not JobEventKind.COMPLETED:
             found.append(f"job ended {self.final.kind}: {self.final.reason}")
         if self.completions != 1:
             found.append(f"{self.completions} completion events")
@@ -107,27 +112,29 @@ class CrawlReport:
         return (f"job {self.job}: {len(self.results)} results ({len(self.urls)} URLs, "
                 f"{self.duplicates} duplicates), outcomes {dict(outcomes)}, "
                 f"{self.completions} completion events, {len(self.letters)} dead letters "
-                f"{[(str(d.stage), d.reason[:80]) for d in self.letters]}, {self.wall_s:.1f} s")
+                f"{[(str(d.stage), d.reason[:80]) for d in self.letters]}, ledger "
+                f"{self.counters}, {self.wall_s:.1f} s")
 
 
 async def crawl_under_faults(mesh: ChaosMesh, request: CrawlRequest, faults: Faults,
                              timeout_s: float) -> CrawlReport:
     """Submit ``request`` as the ``default`` tenant, run ``faults`` until it returns, wait
-    for the job's final event (at most ``timeout_s`` seconds), then read what it produced.
-
-    Raises:
-        TimeoutError: the job did not end in time.
-    """
+    for the job's final event (at most ``timeout_s`` seconds from the start; a fault script
+    still running then is cancelled), then read what it produced (``final`` None if the job
+    did not end in time)."""
     assert mesh.settings is not None
     started = time.monotonic()
     async with open_session(mesh.settings, None, DEFAULT_TENANT) as session:
         job = await submit(session.tenant, request, timeout_s=60)
         waiting = asyncio.create_task(wait_for_job(session.tenant, job, show=False,
                                                    counts=lambda: session.counts(job)))
+        final: JobEvent | None = None
         try:
-            await faults(waiting.done)
-            final = await asyncio.wait_for(waiting, max(1.0, started + timeout_s
-                                                        - time.monotonic()))
+            async with asyncio.timeout(timeout_s):
+                await faults(waiting.done)
+                final = await waiting
+        except TimeoutError:
+            pass
         finally:
             waiting.cancel()
             with contextlib.suppress(BaseException):
@@ -141,7 +148,8 @@ async def crawl_under_faults(mesh: ChaosMesh, request: CrawlRequest, faults: Fau
         completions = sum(e.kind is JobEventKind.COMPLETED for e in events)
         assert session.mesh is not None
         letters = await dead_letters(session.mesh, mesh.tenant_id, job)
-    return CrawlReport(job, final, results, completions, letters, wall_s)
+        counters = await session.counts(job)
+    return CrawlReport(job, final, results, completions, letters, wall_s, counters)
 
 
 async def until(predicate: Callable[[], bool], done: Callable[[], bool],
