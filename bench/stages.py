@@ -133,7 +133,7 @@ async def measure_stage(js: JetStreamContext, stage: str, pids: dict[str, int], 
 
 
 async def bench(settings: MeshSettings, pids: dict[str, int], meter: TreeMeter, stages: list[str],
-                target: int, finish: bool) -> list[StageFigures]:
+                target: int, finish: bool, finish_timeout_s: float = 900) -> list[StageFigures]:
     """Submit the corpus crawl, measure each stage once results flow, then let it finish."""
     request = CrawlRequest(seeds=tuple(seeds()), job_id=subjects.new_job_id(), max_depth=100,
                            scope=Scope(mode=ScopeMode.SAME_HOST), rules=(BODY_TEXT_RULE,))
@@ -148,7 +148,16 @@ async def bench(settings: MeshSettings, pids: dict[str, int], meter: TreeMeter, 
             print(figure.row(), flush=True)
             figures.append(figure)
         if finish:
-            event = await asyncio.wait_for(wait_for_job(session.tenant, job, show=False), 900)
+            try:
+                event = await asyncio.wait_for(wait_for_job(session.tenant, job, show=False),
+                                               finish_timeout_s)
+            except TimeoutError:
+                counts = await session.counts(job)
+                raise RuntimeError(
+                    f"job {job} did not complete within {finish_timeout_s:.0f} s after the "
+                    f"measurements: {counts.finished} of {counts.admitted} admitted pages "
+                    f"finished, {counts.failed} failed (logs in {settings.home / 'logs'})"
+                ) from None
             counters = event.counters
             print(f"job {job} {event.kind}: {counters.finished if counters else '?'} pages "
                   f"finished, {counters.failed if counters else '?'} failed", flush=True)
@@ -163,11 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="fetcher,parser,dedup,sink")
     parser.add_argument("--no-finish", dest="finish", action="store_false",
                         help="stop the mesh after the measurements, without waiting for the job")
+    parser.add_argument("--finish-timeout", type=float, default=900,
+                        help="seconds to wait for the job to complete after the measurements")
     args = parser.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s in INPUTS]
     work = Path(tempfile.mkdtemp(prefix="crawlmesh-stages-"))
     home = work / "home"
     home.mkdir()
+    status = 0
     launcher, settings, _ = start_mesh(home)
     try:
         pids = service_pids(launcher.pid)
@@ -175,13 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         print("| stage | messages | drain s | messages/s | stage CPU ms/msg | nats-server CPU ms/msg |")
         print("|---|---|---|---|---|---|", flush=True)
         try:
-            asyncio.run(bench(settings, pids, meter, stages, args.backlog, args.finish))
+            asyncio.run(bench(settings, pids, meter, stages, args.backlog, args.finish,
+                              args.finish_timeout))
+        except RuntimeError as error:
+            print(f"\n{error}", flush=True)
+            status = 1
         finally:
             meter.stop()
     finally:
         stop_mesh(launcher)
     print(f"\nreproduce: PYTHONPATH=. python bench/stages.py {' '.join(sys.argv[1:])}".rstrip())
-    return 0
+    return status
 
 
 if __name__ == "__main__":
